@@ -1,0 +1,180 @@
+"""capture_image(): boot the engine tree to its barrier, checkpoint it with CRIU, publish the image.
+
+Phases: preflight, launch, boot engine (to ready.json), criu dump, publish. On every exit path
+that is not success the tree is killed, the staging directory removed, and no image appears
+under the final name (an older image there stays untouched).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import _control as control
+from ._control import ErrorReport, LaunchConfig, Ready
+from ._criu import CriuRunner
+from ._criu_options import DumpOptions, external_mounts
+from ._errors import EngineError, ImageError
+from ._events import ProgressCallback, Timings
+from ._host import host_facts, require_host
+from ._image import check_parent, checksum_tree, image_lock, make_staging, publish, remove_stale_staging, sha256_file
+from ._manifest import CRIU_DIR, DUMP_LOG, ENGINE_LOG, FORMAT_VERSION, MANIFEST, SHM_DIR, Dependency, Manifest
+from ._proctree import LaunchedTree, kill_tree, launch_tree, mapped_and_open_files, tree_pids, wait_gone
+from ._shm import SHM, link_remap_files
+from ._spec import ModelSpec
+
+DEFAULT_MODEL_ROOT = Path("/var/lib/vsnap/models")
+CPU_MODEL_NAME = "cpu-tiny-v1"
+
+
+@dataclass(frozen=True)
+class CaptureResult:
+    image_dir: Path
+    manifest: Manifest
+    timings: dict[str, float]
+    image_bytes: int
+    engine_log: Path
+
+
+def resolve_model(spec: ModelSpec) -> Path:
+    """The model directory; for the cpu engine without one, vsnap writes its tiny model once."""
+    if spec.model is not None:
+        return Path(spec.model)
+    directory = DEFAULT_MODEL_ROOT / CPU_MODEL_NAME
+    if (directory / "config.json").is_file() and (directory / "model.safetensors").is_file():
+        return directory
+    from .engine import cpu_model  # imports torch: only when the model must be written
+
+    return cpu_model.write_model(directory)
+
+
+def tree_environment(control_dir: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"PYTHONUNBUFFERED": "1", "VSNAP_CONTROL_DIR": str(control_dir), "OMP_NUM_THREADS": "1",
+                "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    src = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def _wait_ready(tree: LaunchedTree, control_dir: Path, timeout_s: float) -> Ready:
+    log = control_dir / control.ENGINE_LOG
+
+    def probe() -> Ready | None:
+        ready = control.read_message(control_dir, control.READY, Ready)
+        if ready is not None:
+            return ready
+        report = control.read_message(control_dir, control.ERROR, ErrorReport)
+        if report is not None:
+            raise EngineError(report.phase, report.type, report.message, log_path=log)
+        if tree.unshare.poll() is not None:
+            raise EngineError("boot engine", "EngineExited",
+                              f"the engine tree exited with code {tree.unshare.returncode} before it was ready",
+                              log_path=log)
+        return None
+
+    return control.wait_until(probe, timeout_s=timeout_s, phase="boot engine", interval_s=0.05, log_path=log)
+
+
+def _dependencies(pids: list[int], model_dir: Path, control_dir: Path) -> list[Dependency]:
+    deps = []
+    for path in sorted(mapped_and_open_files(pids)):
+        if path.startswith(str(control_dir) + "/"):
+            continue  # the engine log: restore puts the captured copy back
+        inside_model = path.startswith(str(model_dir) + "/")
+        deps.append(Dependency(path=path, size=os.stat(path).st_size,
+                               sha256=sha256_file(Path(path)) if inside_model else None))
+    known = {d.path for d in deps}
+    for weights in sorted(model_dir.rglob("*")):  # reloaded on recover even if not open now
+        if weights.is_file() and str(weights) not in known:
+            deps.append(Dependency(path=str(weights), size=weights.stat().st_size, sha256=sha256_file(weights)))
+    return deps
+
+
+def capture_image(spec: ModelSpec, *, image_dir: Path | None = None, force: bool = False,
+                  on_event: ProgressCallback | None = None) -> CaptureResult:
+    """Boot ``spec``'s engine, checkpoint it at the barrier and publish the image."""
+    image_dir = Path(image_dir or spec.image_dir).absolute()
+    control_dir = spec.control_dir
+    timings = Timings(on_event)
+    with timings.phase("preflight"):
+        require_host(spec.engine)
+        runner = CriuRunner.locate()
+        check_parent(image_dir)
+    with image_lock(image_dir):
+        if image_dir.exists() and not force:
+            raise ImageError(f"{image_dir} already exists", hint="pass --force to replace it once the new one is complete")
+        remove_stale_staging(image_dir)
+        with timings.phase("prepare model"):
+            model_dir = resolve_model(spec)
+        control.ensure_private_dir(control_dir)
+        control.remove_control_files(control_dir, (*control.CONTROL_FILES, control.LAUNCH, control.ENGINE_LOG))
+        launch = LaunchConfig(
+            engine=spec.engine, model=str(model_dir), served_model_name=spec.served_model_name,
+            serve_args=dict(spec.serve), oracle_prompts=list(spec.oracle.prompts),
+            oracle_max_tokens=spec.oracle.max_tokens, oracle_top_k=spec.oracle.top_k,
+            oracle_tolerance=spec.oracle.tolerance, timeout_s=spec.snapshot.timeout_s,
+        )
+        control.write_message(control_dir, control.LAUNCH, launch)
+        engine_log = control_dir / control.ENGINE_LOG
+        staging = make_staging(image_dir)
+        shm_before = set(link_remap_files())
+        tree: LaunchedTree | None = None
+        try:
+            with timings.phase("launch"):
+                tree = launch_tree(control_dir, tree_environment(control_dir), engine_log)
+            with timings.phase("boot engine"):
+                ready = _wait_ready(tree, control_dir, spec.snapshot.timeout_s)
+            pids = tree_pids(tree.root_pid)
+            dependencies = _dependencies(pids, model_dir, control_dir)
+            with open(f"/proc/{tree.root_pid}/mountinfo") as f:
+                externals = external_mounts(f.read())
+            facts = host_facts(spec.engine)
+            (staging / CRIU_DIR).mkdir()
+            (staging / "logs").mkdir()
+            with timings.phase("criu dump"):
+                runner.dump(DumpOptions(pid=tree.root_pid, images_dir=staging / CRIU_DIR,
+                                        log_file=staging / DUMP_LOG, externals=externals))
+                left = wait_gone(pids, 30)
+                if left:
+                    raise ImageError(f"processes {left} of the tree survived the dump")
+                tree.unshare.wait(timeout=30)
+            shm_files = sorted(set(link_remap_files()) - shm_before)
+            if shm_files:
+                (staging / SHM_DIR).mkdir()
+                for name in shm_files:
+                    shutil.move(str(SHM / name), staging / SHM_DIR / name)
+            shutil.copy2(engine_log, staging / ENGINE_LOG)
+            with timings.phase("publish"):
+                files = checksum_tree(staging)
+                image_bytes = sum(entry.size for entry in files.values())
+                manifest = Manifest(
+                    format_version=FORMAT_VERSION,
+                    created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                    name=spec.name, engine=spec.engine, spec=spec.model_dump(mode="json"), launch=launch,
+                    control_dir=str(control_dir), oracle=ready.oracle, host=facts, externals=externals,
+                    shm_files=shm_files, dependencies=dependencies,
+                    timings={**timings.seconds, "engine_boot_to_ready": ready.times.get("prepared", 0)
+                             - ready.times.get("start", 0)},
+                    sizes={"image_bytes": image_bytes,
+                           "criu_bytes": sum(e.size for k, e in files.items() if k.startswith(CRIU_DIR + "/"))},
+                    files=files,
+                )
+                control.write_atomic(staging, MANIFEST, manifest.model_dump_json(indent=2).encode())
+                publish(staging, image_dir)
+        except BaseException:
+            if tree is not None:
+                kill_tree(tree.root_pid)
+                if tree.unshare.poll() is None:
+                    tree.unshare.kill()
+                tree.unshare.wait()
+            shutil.rmtree(staging, ignore_errors=True)
+            for name in set(link_remap_files()) - shm_before:
+                (SHM / name).unlink(missing_ok=True)
+            raise
+    return CaptureResult(image_dir, manifest, dict(timings.seconds), image_bytes, image_dir / ENGINE_LOG)
+
+

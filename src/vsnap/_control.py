@@ -1,0 +1,245 @@
+"""The control directory: the file protocol between the vsnap CLI and the engine tree.
+
+    launch.json      CLI -> engine   what to build (engine, model, serve args, oracle settings)
+    ready.json       engine -> CLI   the capture barrier is reached; carries the oracle
+    activation.json  CLI -> engine   the tree was restored: recover, then serve on host:port
+    status.json      engine -> CLI   "recovering", then "validated", then "serving"
+    error.json       engine -> CLI   phase, type, message of a failure
+
+Every write is atomic (a temp file opened O_EXCL|O_NOFOLLOW, fsync, rename, fsync of the
+directory). Every read refuses symlinks, files that are not regular, files owned by another
+user and files others may write. The directory itself must be owned by us and private (0700).
+
+A leaf: imports pydantic, _errors and _oracle only (the engine tree imports it).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import stat
+import time
+from pathlib import Path
+from typing import Any, Callable, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ._errors import ControlProtocolError, PhaseTimeout
+from ._oracle import Oracle
+
+LAUNCH = "launch.json"
+READY = "ready.json"
+ACTIVATION = "activation.json"
+STATUS = "status.json"
+ERROR = "error.json"
+ENGINE_LOG = "engine.log"
+CONTROL_FILES = (READY, ACTIVATION, STATUS, ERROR)
+
+# A single sleep never counts for more than this against a timeout: a restored tree's
+# CLOCK_MONOTONIC jumps (days may pass between capture and restore, and another host's
+# clock starts elsewhere), and such a jump must not expire the wait.
+MAX_COUNTED_STEP_S = 1.0
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class LaunchConfig(_Message):
+    """Everything the engine tree needs to build its engine; written once before launch."""
+
+    engine: Literal["cpu", "vllm"]
+    model: str
+    served_model_name: str
+    serve_args: dict[str, Any] = Field(default_factory=dict)
+    oracle_prompts: list[str]
+    oracle_max_tokens: int
+    oracle_top_k: int
+    oracle_tolerance: float
+    timeout_s: float
+
+
+class Ready(_Message):
+    pid: int
+    oracle: Oracle
+    times: dict[str, float] = Field(default_factory=dict)
+
+
+class Activation(_Message):
+    host: str
+    port: int = Field(ge=0, le=65535)
+
+
+class Status(_Message):
+    state: Literal["recovering", "validated", "serving", "stopped"]
+    times: dict[str, float] = Field(default_factory=dict)
+    detail: dict[str, Any] = Field(default_factory=dict)
+
+
+class ErrorReport(_Message):
+    phase: str
+    type: str
+    message: str
+    detail: dict[str, Any] = Field(default_factory=dict)
+
+
+M = TypeVar("M", bound=_Message)
+
+
+def ensure_private_dir(path: Path, *, create: bool = True) -> Path:
+    """Create ``path`` (0700) if asked, then check it is a private directory we own."""
+    if create:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+    check_private_dir(path)
+    return path
+
+
+def check_private_dir(path: Path) -> None:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise ControlProtocolError(path, "does not exist") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise ControlProtocolError(path, "is a symlink; a control directory must be a real directory")
+    if not stat.S_ISDIR(st.st_mode):
+        raise ControlProtocolError(path, "is not a directory")
+    if st.st_uid != os.geteuid():
+        raise ControlProtocolError(path, f"is owned by uid {st.st_uid}, not by us (uid {os.geteuid()})")
+    if st.st_mode & 0o077:
+        raise ControlProtocolError(path, f"has mode {stat.S_IMODE(st.st_mode):04o}; it must be private (0700)")
+
+
+def write_atomic(directory: Path, name: str, data: bytes) -> None:
+    """Write ``directory/name`` atomically, never following a symlink."""
+    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        tmp = f".{name}.{os.getpid()}.tmp"
+        try:
+            os.unlink(tmp, dir_fd=dir_fd)
+        except FileNotFoundError:
+            pass
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=dir_fd)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def write_message(directory: Path, name: str, message: _Message) -> None:
+    write_atomic(directory, name, message.model_dump_json().encode())
+
+
+def read_bytes(directory: Path, name: str) -> bytes | None:
+    """Read a control file, or None if absent. Refuses symlinks and foreign or shared-writable files."""
+    path = directory / name
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ControlProtocolError(path, "is a symlink; control files are never followed") from None
+        raise ControlProtocolError(path, f"cannot be opened: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ControlProtocolError(path, "is not a regular file")
+        if st.st_uid != os.geteuid():
+            raise ControlProtocolError(path, f"was written by uid {st.st_uid}, not by us (uid {os.geteuid()})")
+        if st.st_mode & 0o022:
+            raise ControlProtocolError(path, f"has mode {stat.S_IMODE(st.st_mode):04o}; others could have written it")
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def read_message(directory: Path, name: str, model: type[M]) -> M | None:
+    data = read_bytes(directory, name)
+    if data is None:
+        return None
+    try:
+        return model.model_validate_json(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "document"
+        raise ControlProtocolError(directory / name, f"malformed ({where}: {first['msg']})") from None
+
+
+def remove_control_files(directory: Path, names: tuple[str, ...] = CONTROL_FILES) -> None:
+    """Clear the messages of an earlier run so they are not mistaken for this one's."""
+    for name in names:
+        try:
+            os.unlink(directory / name)
+        except FileNotFoundError:
+            pass
+
+
+T = TypeVar("T")
+
+
+class WaitBudget:
+    """A timeout that counts only time really spent waiting.
+
+    Each step between two ticks counts for at most MAX_COUNTED_STEP_S, so a monotonic clock
+    that jumps forward (or back) across a checkpoint and restore does not expire the wait.
+    """
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.waited = 0.0
+        self._last = time.monotonic()
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        self.waited += min(max(now - self._last, 0.0), MAX_COUNTED_STEP_S)
+        self._last = now
+
+    def expired(self) -> bool:
+        return self.waited >= self.timeout_s
+
+
+def wait_until(
+    probe: Callable[[], T | None],
+    *,
+    timeout_s: float,
+    phase: str,
+    interval_s: float = 0.02,
+    log_path: Path | str | None = None,
+) -> T:
+    """Poll ``probe`` until it returns something other than None, or raise PhaseTimeout."""
+    budget = WaitBudget(timeout_s)
+    while True:
+        result = probe()
+        if result is not None:
+            return result
+        if budget.expired():
+            raise PhaseTimeout(phase, timeout_s, log_path=log_path)
+        time.sleep(interval_s)
+        budget.tick()
+
+
+def error_report(phase: str, error: BaseException, **detail: Any) -> ErrorReport:
+    fields = {k: v for k, v in vars(error).items() if isinstance(v, (str, int, float))} if hasattr(error, "__dict__") else {}
+    return ErrorReport(
+        phase=phase, type=type(error).__name__, message=str(error) or type(error).__name__,
+        detail={**fields, **detail},
+    )
+
+
+def to_json(obj: Any) -> bytes:
+    return json.dumps(obj, indent=2, sort_keys=True).encode()

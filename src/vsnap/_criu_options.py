@@ -1,0 +1,73 @@
+"""Typed CRIU settings and the one place that turns them into CRIU's command line.
+
+Every mount of the tree's mount namespace other than / and /proc belongs to the host: the dump
+declares each one external under a stable key (m0, m1, ...), the manifest records the keys, and
+the restore maps each key back to its mount point (runc does the same with its mount keys).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# Mounts the tree owns itself: its root (a copy of the host's in a new mount namespace) and
+# the private /proc that `unshare --mount-proc` gave it.
+OWN_MOUNTS = ("/", "/proc")
+
+
+def external_mounts(mountinfo: str) -> dict[str, str]:
+    """Map a key to each mount point in a /proc/PID/mountinfo text, except the tree's own."""
+    keys: dict[str, str] = {}
+    seen: set[str] = set()
+    for line in mountinfo.splitlines():
+        fields = line.split()
+        if len(fields) < 5:
+            continue
+        mountpoint = fields[4].replace("\\040", " ")
+        if mountpoint in OWN_MOUNTS or mountpoint in seen:
+            continue
+        seen.add(mountpoint)
+        keys[f"m{len(keys)}"] = mountpoint
+    return keys
+
+
+@dataclass(frozen=True)
+class DumpOptions:
+    pid: int
+    images_dir: Path
+    log_file: Path
+    externals: dict[str, str] = field(default_factory=dict)  # key -> mount point
+    ghost_limit: str = "512M"
+    leave_running: bool = False
+
+    def to_argv(self) -> list[str]:
+        argv = [
+            "dump", "--tree", str(self.pid), "--images-dir", str(self.images_dir),
+            "--log-file", str(self.log_file), "-v4",
+            "--link-remap", "--file-locks", "--tcp-established", "--network-lock", "skip",
+            "--ghost-limit", self.ghost_limit,
+        ]
+        if self.leave_running:
+            argv.append("--leave-running")
+        for key, mountpoint in self.externals.items():
+            argv += ["--external", f"mnt[{mountpoint}]:{key}"]
+        return argv
+
+
+@dataclass(frozen=True)
+class RestoreOptions:
+    images_dir: Path
+    work_dir: Path  # logs, stats and pidfile go here: a restore never writes into the image
+    log_file: Path
+    pidfile: Path
+    externals: dict[str, str] = field(default_factory=dict)  # key -> mount point
+
+    def to_argv(self) -> list[str]:
+        argv = [
+            "restore", "--images-dir", str(self.images_dir), "--work-dir", str(self.work_dir), "--log-file", str(self.log_file), "-v4",
+            "--restore-detached", "--pidfile", str(self.pidfile),
+            "--file-locks", "--tcp-established", "--root", "/",
+        ]
+        for key, mountpoint in self.externals.items():
+            argv += ["--external", f"mnt[{key}]:{mountpoint}"]
+        return argv

@@ -1,0 +1,215 @@
+"""Every error vsnap raises on purpose, each with its exit code and a hint.
+
+This module is a leaf: the CLI, the orchestrator and the engine tree all import it,
+so it imports nothing from vsnap, rich, torch or vLLM.
+
+    VsnapError               1  message, hint, log_path
+    ├── SpecError            2  issues: [SpecIssue(file, line, column, field, message)]
+    ├── HostNotReady         3  check, required, found
+    ├── ImageError           4
+    │   ├── ImageFormatError    format_version
+    │   ├── ImageTampered       file, expected, actual
+    │   └── ImageHostMismatch   mismatches: [(fact, recorded, current)]
+    ├── CheckpointError      5  phase
+    │   ├── CriuError           action, returncode, log_path, excerpt
+    │   ├── ProcessTreeError    pid, reason
+    │   └── PhaseTimeout        phase, seconds
+    ├── EngineError          6  phase, type, message (from error.json)
+    │   └── OracleMismatch   7  prompt, position, expected, actual
+    └── ControlProtocolError 8  path, reason
+
+Ctrl-C exits 130 after teardown. Anything that is not a VsnapError is a bug.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Sequence
+
+
+class VsnapError(Exception):
+    """Base of every expected failure. Always raise a subclass."""
+
+    exit_code: ClassVar[int] = 1
+
+    def __init__(self, message: str, *, hint: str = "", log_path: Path | str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+        self.log_path = str(log_path) if log_path else None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form the CLI prints with --json."""
+        return {
+            "error": type(self).__name__,
+            "message": self.message,
+            "hint": self.hint or None,
+            "log_path": self.log_path,
+            "exit_code": self.exit_code,
+        }
+
+
+@dataclass(frozen=True)
+class SpecIssue:
+    """One problem in a model.yaml, located at its line and column (1-based)."""
+
+    file: str
+    line: int | None
+    column: int | None
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        where = self.file
+        if self.line is not None:
+            where += f":{self.line}"
+            if self.column is not None:
+                where += f":{self.column}"
+        return f"{where} {self.field}: {self.message}" if self.field else f"{where} {self.message}"
+
+
+class SpecError(VsnapError):
+    """The model.yaml is invalid. Exit code 2, like a usage error."""
+
+    exit_code = 2
+
+    def __init__(self, issues: Sequence[SpecIssue], *, hint: str = "") -> None:
+        self.issues = list(issues)
+        first = str(self.issues[0]) if self.issues else "invalid spec"
+        more = f" (and {len(self.issues) - 1} more)" if len(self.issues) > 1 else ""
+        super().__init__(first + more, hint=hint or "fix the spec; docs/model-yaml.md lists every key")
+
+    def to_dict(self) -> dict[str, Any]:
+        data = super().to_dict()
+        data["issues"] = [issue.__dict__ | {"text": str(issue)} for issue in self.issues]
+        return data
+
+
+class HostNotReady(VsnapError):
+    """This host lacks something vsnap needs (CRIU, root, a sysctl, a GPU)."""
+
+    exit_code = 3
+
+    def __init__(self, check: str, message: str, *, required: str = "", found: str = "", hint: str = "") -> None:
+        super().__init__(message, hint=hint)
+        self.check, self.required, self.found = check, required, found
+
+
+class ImageError(VsnapError):
+    """The image cannot be used: missing, malformed, altered or from another host."""
+
+    exit_code = 4
+
+
+class ImageFormatError(ImageError):
+    def __init__(self, message: str, *, format_version: int | None = None, hint: str = "") -> None:
+        super().__init__(message, hint=hint)
+        self.format_version = format_version
+
+
+class ImageTampered(ImageError):
+    def __init__(self, file: str, expected: str, actual: str) -> None:
+        super().__init__(
+            f"image file {file} does not match the manifest (expected {expected}, found {actual})",
+            hint="the image was altered or damaged; capture it again",
+        )
+        self.file, self.expected, self.actual = file, expected, actual
+
+
+class ImageHostMismatch(ImageError):
+    def __init__(self, mismatches: Sequence[tuple[str, str, str]]) -> None:
+        self.mismatches = list(mismatches)
+        text = "; ".join(f"{fact}: image has {rec!r}, host has {cur!r}" for fact, rec, cur in self.mismatches)
+        super().__init__(
+            f"image does not fit this host: {text}",
+            hint="restore on a host with the same software, or capture a new image here",
+        )
+
+
+class CheckpointError(VsnapError):
+    """Capturing or restoring the process tree failed."""
+
+    exit_code = 5
+
+    def __init__(self, message: str, *, phase: str = "", hint: str = "", log_path: Path | str | None = None) -> None:
+        super().__init__(message, hint=hint, log_path=log_path)
+        self.phase = phase
+
+
+class CriuError(CheckpointError):
+    def __init__(
+        self, action: str, returncode: int, log_path: Path | str, excerpt: str, hint: str = ""
+    ) -> None:
+        super().__init__(f"criu {action} failed: {_first_error(excerpt) or f'exit code {returncode}'}", phase=action, hint=hint, log_path=log_path)
+        self.action, self.returncode, self.excerpt = action, returncode, excerpt
+
+
+# CRIU logs these as errors but goes on; they never explain a failure.
+_BENIGN_CRIU_ERRORS = ("RLIMIT_NOFILE", "Restoring FAILED", "Dumping FAILED")
+
+
+def _first_error(excerpt: str) -> str:
+    """The first CRIU error line that explains something, without its timestamp and source position."""
+    lines = [line for line in excerpt.splitlines() if line.strip()]
+    for line in lines:
+        if "Error" in line and not any(b in line for b in _BENIGN_CRIU_ERRORS):
+            return line.split("):", 1)[-1].strip() if "):" in line else line.strip()
+    return lines[-1].strip() if lines else ""
+
+
+class ProcessTreeError(CheckpointError):
+    def __init__(self, pid: int | None, reason: str, *, phase: str = "", log_path: Path | str | None = None,
+                 hint: str = "") -> None:
+        super().__init__(reason, phase=phase, log_path=log_path, hint=hint)
+        self.pid, self.reason = pid, reason
+
+
+class PhaseTimeout(CheckpointError):
+    def __init__(self, phase: str, seconds: float, *, log_path: Path | str | None = None) -> None:
+        super().__init__(
+            f"{phase} did not finish within {seconds:g} s",
+            phase=phase,
+            hint="read the engine log; raise snapshot.timeout_s if the engine is just slow",
+            log_path=log_path,
+        )
+        self.seconds = seconds
+
+
+class EngineError(VsnapError):
+    """The engine tree reported a failure in error.json (or died without one)."""
+
+    exit_code = 6
+
+    def __init__(self, phase: str, type_: str, message: str, *, log_path: Path | str | None = None,
+                 hint: str = "") -> None:
+        super().__init__(f"engine failed during {phase}: {type_}: {message}", hint=hint or "read the engine log",
+                         log_path=log_path)
+        self.phase, self.type, self.engine_message = phase, type_, message
+
+
+class OracleMismatch(EngineError):
+    """After restore the engine no longer computes what it computed before capture."""
+
+    exit_code = 7
+
+    def __init__(self, prompt: int, position: int, expected: str, actual: str, *,
+                 log_path: Path | str | None = None) -> None:
+        super().__init__(
+            "recover",
+            "OracleMismatch",
+            f"prompt {prompt}, token {position}: expected {expected}, got {actual}",
+            log_path=log_path,
+            hint="the restored engine is not the captured one; the server was not opened",
+        )
+        self.prompt, self.position, self.expected, self.actual = prompt, position, expected, actual
+
+
+class ControlProtocolError(VsnapError):
+    """A control file or directory is unsafe or malformed (symlink, mode, owner, content)."""
+
+    exit_code = 8
+
+    def __init__(self, path: Path | str, reason: str) -> None:
+        super().__init__(f"{path}: {reason}", hint="remove it, or use a private control directory you own")
+        self.path, self.reason = str(path), reason

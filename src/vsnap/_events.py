@@ -1,0 +1,52 @@
+"""Progress events and phase timings: the library reports, only the CLI draws."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Iterator, Literal
+
+
+@dataclass(frozen=True)
+class PhaseEvent:
+    phase: str
+    state: Literal["start", "done", "failed"]
+    seconds: float | None = None
+
+
+ProgressCallback = Callable[[PhaseEvent], None]
+
+
+def _ignore(_: PhaseEvent) -> None:
+    pass
+
+
+class Timings:
+    """Ordered phase durations, fed by ``with timings.phase(name):``."""
+
+    def __init__(self, on_event: ProgressCallback | None = None) -> None:
+        self.seconds: dict[str, float] = {}
+        self._on_event = on_event or _ignore
+        self._start = time.monotonic()
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        self._on_event(PhaseEvent(name, "start"))
+        start = time.monotonic()
+        try:
+            yield
+        except BaseException:
+            self.seconds[name] = time.monotonic() - start
+            self._on_event(PhaseEvent(name, "failed", self.seconds[name]))
+            raise
+        self.seconds[name] = time.monotonic() - start
+        self._on_event(PhaseEvent(name, "done", self.seconds[name]))
+
+    def add(self, name: str, seconds: float) -> None:
+        """Record a phase measured elsewhere (for example inside the engine tree)."""
+        self.seconds[name] = seconds
+
+    @property
+    def total(self) -> float:
+        return time.monotonic() - self._start

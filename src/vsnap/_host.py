@@ -1,0 +1,140 @@
+"""Host facts and preflight: what this host is, and whether it can capture or restore.
+
+`vsnap validate`, capture and restore run the same checks, before anything expensive.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+from ._criu import CriuRunner
+from ._errors import HostNotReady, ImageHostMismatch, VsnapError
+from ._manifest import Dependency, HostFacts, Manifest
+from ._proctree import find_unshare
+
+
+def package_version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def vsnap_version() -> str:
+    return package_version("vsnap") or "0+unknown"
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    error: VsnapError | None = None
+
+
+def _run_check(name: str, fn: "callable[[], str]") -> Check:  # type: ignore[valid-type]
+    try:
+        return Check(name, True, fn())
+    except VsnapError as exc:
+        return Check(name, False, exc.message, exc)
+
+
+def check_root() -> str:
+    if os.geteuid() != 0:
+        raise HostNotReady("root", "vsnap must run as root (CRIU needs CAP_SYS_ADMIN)", required="uid 0",
+                           found=f"uid {os.geteuid()}", hint="run it with sudo")
+    return "running as root"
+
+
+def check_criu() -> str:
+    runner = CriuRunner.locate()
+    version = runner.require_version()
+    runner.check()
+    return f"criu {version} at {runner.binary}; criu check passed"
+
+
+def check_unshare() -> str:
+    return f"unshare at {find_unshare()}"
+
+
+def check_engine_packages(engine: str) -> str:
+    if engine == "cpu":
+        missing = [p for p in ("torch", "safetensors", "fastapi", "uvicorn") if package_version(p) is None]
+        if missing:
+            raise HostNotReady("engine", f"the cpu engine needs {', '.join(missing)}",
+                               hint="pip install 'vsnap[cpu]'")
+        return f"torch {package_version('torch')}"
+    raise HostNotReady("engine", "engine 'vllm' is not supported by this vsnap yet (CPU engine only)",
+                       hint="use engine: cpu")
+
+
+def preflight(engine: str | None) -> list[Check]:
+    """Every host check, each with its verdict (nothing raised)."""
+    checks = [_run_check("root", check_root), _run_check("criu", check_criu), _run_check("unshare", check_unshare)]
+    if engine is not None:
+        checks.append(_run_check(f"engine {engine}", lambda: check_engine_packages(engine)))
+    return checks
+
+
+def require_host(engine: str) -> None:
+    """Raise the first failing preflight check."""
+    for check in preflight(engine):
+        if check.error is not None:
+            raise check.error
+
+
+def host_facts(engine: str) -> HostFacts:
+    runner = CriuRunner.locate()
+    return HostFacts(
+        hostname=socket.gethostname(),
+        kernel=platform.release(),
+        arch=platform.machine(),
+        criu=".".join(map(str, runner.version())),
+        python=platform.python_version(),
+        torch=package_version("torch"),
+        vllm=package_version("vllm") if engine == "vllm" else None,
+        vsnap=vsnap_version(),
+    )
+
+
+def dependency_mismatches(dependencies: list[Dependency]) -> list[tuple[str, str, str]]:
+    from ._image import sha256_file
+
+    mismatches = []
+    for dep in dependencies:
+        path = Path(dep.path)
+        try:
+            size = path.stat().st_size
+        except OSError:
+            mismatches.append((f"file {dep.path}", f"{dep.size} bytes", "missing"))
+            continue
+        if size != dep.size:
+            mismatches.append((f"file {dep.path}", f"{dep.size} bytes", f"{size} bytes"))
+        elif dep.sha256 is not None and sha256_file(path) != dep.sha256:
+            mismatches.append((f"file {dep.path}", f"sha256 {dep.sha256[:12]}", "different content"))
+    return mismatches
+
+
+def host_mismatches(manifest: Manifest) -> list[tuple[str, str, str]]:
+    """Facts the image depends on that differ on this host (fact, recorded, current)."""
+    recorded = manifest.host
+    current = {
+        "arch": platform.machine(),
+        "python": platform.python_version(),
+        "torch": package_version("torch"),
+        "vllm": package_version("vllm") if manifest.engine == "vllm" else None,
+    }
+    mismatches = [(fact, str(getattr(recorded, fact)), str(now)) for fact, now in current.items()
+                  if getattr(recorded, fact) != now]
+    return mismatches + dependency_mismatches(manifest.dependencies)
+
+
+def require_host_matches(manifest: Manifest) -> None:
+    mismatches = host_mismatches(manifest)
+    if mismatches:
+        raise ImageHostMismatch(mismatches)

@@ -1,0 +1,154 @@
+"""Image directories: private staging, checksums, publish by atomic rename, verification.
+
+An image is published under its final name only when complete: it is written into a private
+staging directory beside the final one, fsynced, then renamed (or exchanged with an older
+image by renameat2(RENAME_EXCHANGE), so a good image is never lost to a failed capture).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import os
+import shutil
+import stat
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from ._errors import ImageError, ImageTampered
+from ._manifest import MANIFEST, FileEntry, Manifest
+
+RENAME_EXCHANGE = 2
+CHUNK = 4 << 20
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def check_parent(image_dir: Path) -> None:
+    """The image's parent must not be writable by others: they could swap the image."""
+    parent = image_dir.parent
+    parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    st = parent.stat()
+    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        raise ImageError(f"{parent} is writable by group or others; an image there could be replaced",
+                         hint=f"chmod go-w {parent}, or choose another image directory")
+
+
+@contextmanager
+def image_lock(image_dir: Path) -> Iterator[None]:
+    """One capture per image path at a time (a flock on a file beside it)."""
+    lock_path = image_dir.parent / f".{image_dir.name}.lock"
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ImageError(f"another vsnap capture is writing {image_dir}",
+                             hint="wait for it to finish, or capture into another --image") from None
+        yield
+    finally:
+        os.close(fd)
+
+
+def make_staging(image_dir: Path) -> Path:
+    return Path(tempfile.mkdtemp(prefix=f".{image_dir.name}.staging-", dir=image_dir.parent))
+
+
+def remove_stale_staging(image_dir: Path) -> None:
+    """Drop staging directories that an interrupted capture of this image left (we hold the lock)."""
+    for leftover in image_dir.parent.glob(f".{image_dir.name}.staging-*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    for leftover in image_dir.parent.glob(f".{image_dir.name}.old-*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def checksum_tree(root: Path, skip: tuple[str, ...] = (MANIFEST,)) -> dict[str, FileEntry]:
+    """Size and sha256 of every file under ``root``, hashed in parallel."""
+    paths = sorted(p for p in root.rglob("*") if p.is_file() and str(p.relative_to(root)) not in skip)
+    with ThreadPoolExecutor(max_workers=min(8, (os.cpu_count() or 2) * 2)) as pool:
+        digests = list(pool.map(sha256_file, paths))
+    return {str(p.relative_to(root)): FileEntry(size=p.stat().st_size, sha256=d) for p, d in zip(paths, digests)}
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file and directory, making them private (files 0600, directories 0700) on the way."""
+    for dirpath, _, filenames in os.walk(root):
+        os.chmod(dirpath, 0o700)
+        for name in filenames:
+            os.chmod(os.path.join(dirpath, name), 0o600)
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fd = os.open(dirpath, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _rename_exchange(a: Path, b: Path) -> bool:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if not hasattr(libc, "renameat2"):
+        return False
+    at_fdcwd = -100
+    return libc.renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), RENAME_EXCHANGE) == 0
+
+
+def publish(staging: Path, image_dir: Path) -> None:
+    """Make ``staging`` visible as ``image_dir`` in one rename; an older image is swapped out, then removed."""
+    fsync_tree(staging)
+    if image_dir.exists() or image_dir.is_symlink():
+        if image_dir.is_symlink() or not image_dir.is_dir():
+            raise ImageError(f"{image_dir} exists and is not an image directory; refusing to replace it")
+        if not _rename_exchange(staging, image_dir):
+            old = image_dir.parent / f".{image_dir.name}.old-{os.getpid()}"
+            os.rename(image_dir, old)
+            os.rename(staging, image_dir)
+            staging = old
+        shutil.rmtree(staging, ignore_errors=True)
+    else:
+        os.rename(staging, image_dir)
+    fd = os.open(image_dir.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def verify_files(image_dir: Path, manifest: Manifest) -> None:
+    """Every file the manifest lists is a regular file of the recorded size and sha256; no others exist."""
+    listed = set(manifest.files)
+    for path in sorted(image_dir.rglob("*")):
+        rel = str(path.relative_to(image_dir))
+        if path.is_symlink():
+            raise ImageTampered(rel, "a regular file", "a symlink")
+        if path.is_file() and rel != MANIFEST and rel not in listed:
+            raise ImageTampered(rel, "no such file", "an unlisted file")
+    for rel, entry in manifest.files.items():
+        path = image_dir / rel
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            raise ImageTampered(rel, f"{entry.size} bytes", "missing") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise ImageTampered(rel, "a regular file", "something else")
+        if st.st_size != entry.size:
+            raise ImageTampered(rel, f"{entry.size} bytes", f"{st.st_size} bytes")
+    names = sorted(manifest.files)
+    with ThreadPoolExecutor(max_workers=min(8, (os.cpu_count() or 2) * 2)) as pool:
+        digests = list(pool.map(lambda rel: sha256_file(image_dir / rel), names))
+    for rel, digest in zip(names, digests):
+        if digest != manifest.files[rel].sha256:
+            raise ImageTampered(rel, f"sha256 {manifest.files[rel].sha256[:16]}…", f"sha256 {digest[:16]}…")

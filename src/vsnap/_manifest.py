@@ -1,0 +1,96 @@
+"""manifest.json: what an image holds and what a restore depends on, readable without the payload."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ._control import LaunchConfig
+from ._errors import ImageError, ImageFormatError
+from ._oracle import Oracle
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+CRIU_DIR = "criu"
+SHM_DIR = "shm"
+LOGS_DIR = "logs"
+DUMP_LOG = "logs/dump.log"
+ENGINE_LOG = "logs/engine.log"
+MAX_MANIFEST_BYTES = 16 << 20
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class FileEntry(_Frozen):
+    size: int
+    sha256: str
+
+
+class Dependency(_Frozen):
+    """A host file the tree had mapped or open at capture."""
+
+    path: str
+    size: int
+    sha256: str | None = None  # recorded for model files; libraries are checked by size
+
+
+class HostFacts(_Frozen):
+    hostname: str
+    kernel: str
+    arch: str
+    criu: str
+    python: str
+    torch: str | None = None
+    vllm: str | None = None
+    vsnap: str
+    driver: str | None = None
+    gpus: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class Manifest(_Frozen):
+    format_version: int
+    created_at: str
+    name: str
+    engine: str
+    spec: dict[str, Any]
+    launch: LaunchConfig
+    control_dir: str
+    oracle: Oracle
+    host: HostFacts
+    externals: dict[str, str]          # CRIU mount key -> mount point
+    shm_files: list[str] = Field(default_factory=list)  # link-remap files to put back in /dev/shm
+    dependencies: list[Dependency] = Field(default_factory=list)
+    timings: dict[str, float] = Field(default_factory=dict)
+    sizes: dict[str, int] = Field(default_factory=dict)
+    files: dict[str, FileEntry]        # every other file of the image, relative path -> size and sha256
+
+
+def read_manifest(image_dir: Path) -> Manifest:
+    """Parse and version-check manifest.json alone (no payload is read)."""
+    path = image_dir / MANIFEST
+    if not image_dir.is_dir():
+        raise ImageError(f"{image_dir} is not an image directory", hint="capture one with `vsnap capture SPEC`")
+    if path.is_symlink():
+        raise ImageFormatError(f"{path} is a symlink; an image's manifest must be a regular file")
+    try:
+        data = path.read_bytes() if path.stat().st_size <= MAX_MANIFEST_BYTES else b""
+    except FileNotFoundError:
+        raise ImageFormatError(f"{image_dir} has no {MANIFEST}: not a vsnap image, or an unfinished one") from None
+    try:
+        version = Manifest.model_validate_json(data, strict=False).format_version
+    except ValidationError:
+        version = None
+    if version is not None and version != FORMAT_VERSION:
+        raise ImageFormatError(f"{path} has format version {version}; this vsnap reads version {FORMAT_VERSION}",
+                               format_version=version, hint="use the vsnap that captured it, or capture again")
+    try:
+        return Manifest.model_validate_json(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "document"
+        raise ImageFormatError(f"{path} is malformed ({where}: {first['msg']})",
+                               hint="the manifest was altered or truncated; capture again") from None

@@ -1,0 +1,63 @@
+"""The oracle: what the engine computed before capture, and the comparison after restore.
+
+A leaf (pydantic and _errors only): the engine tree, the manifest and the tests share it.
+"""
+
+from __future__ import annotations
+
+import math
+
+from pydantic import BaseModel, ConfigDict
+
+from ._errors import OracleMismatch
+
+
+class OracleSample(BaseModel):
+    """Greedy output for one prompt: the token ids and, per position, the top-k log probabilities."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prompt: str
+    token_ids: list[int]
+    text: str = ""
+    # one dict per generated position: token id (as a string, JSON keys are strings) -> logprob
+    logprobs: list[dict[str, float]]
+
+
+class Oracle(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    samples: list[OracleSample]
+
+
+def compare_oracles(expected: Oracle, actual: Oracle, tolerance: float) -> float:
+    """Return the largest logprob difference; raise OracleMismatch at the first divergence.
+
+    Token ids must match exactly; every logprob of the expected top-k must be present
+    in the actual top-k and within ``tolerance``. Fails closed: a missing sample,
+    position or token is a mismatch, and NaN never compares equal.
+    """
+    if len(expected.samples) != len(actual.samples):
+        raise OracleMismatch(-1, -1, f"{len(expected.samples)} samples", f"{len(actual.samples)} samples")
+    worst = 0.0
+    for index, (want, got) in enumerate(zip(expected.samples, actual.samples)):
+        if want.token_ids != got.token_ids:
+            position = next(
+                (i for i, (a, b) in enumerate(zip(want.token_ids, got.token_ids)) if a != b),
+                min(len(want.token_ids), len(got.token_ids)),
+            )
+            exp = want.token_ids[position] if position < len(want.token_ids) else "end"
+            act = got.token_ids[position] if position < len(got.token_ids) else "end"
+            raise OracleMismatch(index, position, f"token {exp}", f"token {act}")
+        if len(want.logprobs) != len(got.logprobs):
+            raise OracleMismatch(index, -1, f"{len(want.logprobs)} positions", f"{len(got.logprobs)} positions")
+        for position, (top_want, top_got) in enumerate(zip(want.logprobs, got.logprobs)):
+            for token, value in top_want.items():
+                other = top_got.get(token)
+                if other is None:
+                    raise OracleMismatch(index, position, f"token {token} in top-k", "absent")
+                diff = abs(value - other)
+                if math.isnan(diff) or diff > tolerance:
+                    raise OracleMismatch(index, position, f"logprob {value!r} for {token}", repr(other))
+                worst = max(worst, diff)
+    return worst

@@ -1,0 +1,78 @@
+"""validate_target(): will this host capture this spec, or restore this image? Every check, each verdict."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ._errors import ImageHostMismatch, VsnapError
+from ._host import Check, host_mismatches, preflight
+from ._image import check_parent, verify_files
+from ._manifest import MANIFEST, read_manifest
+from ._spec import load_spec
+
+
+@dataclass
+class ValidationReport:
+    target: str | None
+    kind: str  # "host", "spec" or "image"
+    checks: list[Check] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(check.ok for check in self.checks)
+
+    @property
+    def first_error(self) -> VsnapError | None:
+        return next((c.error for c in self.checks if c.error is not None), None)
+
+
+def _check(name: str, fn: "callable[[], str]") -> Check:  # type: ignore[valid-type]
+    try:
+        return Check(name, True, fn())
+    except VsnapError as exc:
+        return Check(name, False, exc.message, exc)
+
+
+def validate_target(target: Path | None) -> ValidationReport:
+    if target is None:
+        return ValidationReport(None, "host", preflight(None))
+    if target.is_dir() or (target / MANIFEST).exists():
+        return _validate_image(target)
+    return _validate_spec(target)
+
+
+def _validate_spec(path: Path) -> ValidationReport:
+    report = ValidationReport(str(path), "spec")
+    try:
+        spec = load_spec(path)
+    except VsnapError as exc:
+        report.checks.append(Check("spec", False, exc.message, exc))
+        return report
+    report.checks.append(Check("spec", True, f"{spec.name}: engine {spec.engine}, image {spec.image_dir}"))
+    report.checks.extend(preflight(spec.engine))
+    report.checks.append(_check("image directory", lambda: (check_parent(spec.image_dir), f"{spec.image_dir.parent} is private")[1]))
+    return report
+
+
+def _validate_image(image_dir: Path) -> ValidationReport:
+    report = ValidationReport(str(image_dir), "image")
+    try:
+        manifest = read_manifest(image_dir)
+    except VsnapError as exc:
+        report.checks.append(Check("manifest", False, exc.message, exc))
+        return report
+    report.checks.append(Check("manifest", True, f"{manifest.name}: engine {manifest.engine}, "
+                                                 f"captured {manifest.created_at} on {manifest.host.hostname}"))
+    report.checks.append(_check("image files", lambda: (verify_files(image_dir, manifest),
+                                                        f"{len(manifest.files)} files match their sha256")[1]))
+
+    def host_fit() -> str:
+        mismatches = host_mismatches(manifest)
+        if mismatches:
+            raise ImageHostMismatch(mismatches)
+        return f"python {manifest.host.python}, torch {manifest.host.torch}, {len(manifest.dependencies)} files unchanged"
+
+    report.checks.append(_check("host match", host_fit))
+    report.checks.extend(c for c in preflight(None) if c.name != "unshare")
+    return report

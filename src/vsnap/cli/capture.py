@@ -1,0 +1,37 @@
+"""vsnap capture SPEC"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .. import _capture
+from .._spec import load_spec
+from . import _render
+from . import app, error_boundary
+
+
+@app.command(help="Boot the engine of SPEC (a model.yaml), checkpoint it at its barrier and publish the image.")
+@error_boundary
+def capture(
+    spec: Path = typer.Argument(..., help="model.yaml"),
+    image: Optional[Path] = typer.Option(None, "--image", help="image directory (default: the spec's)"),
+    force: bool = typer.Option(False, "--force", help="replace an existing image once the new one is complete"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON document on stdout"),
+) -> None:
+    model_spec = load_spec(spec)
+    progress = _render.PhaseProgress()
+    try:
+        result = _capture.capture_image(model_spec, image_dir=image, force=force, on_event=progress)
+    finally:
+        progress.close()
+    if as_json:
+        _render.print_json("capture", {
+            "image": str(result.image_dir), "image_bytes": result.image_bytes, "timings": result.timings,
+            "oracle": result.manifest.oracle.model_dump(mode="json"), "engine_log": str(result.engine_log),
+        })
+        return
+    _render.stdout.print(_render.timing_table(f"captured {result.image_dir}", result.timings))
+    _render.stdout.print(f"image: {result.image_dir} ({result.image_bytes / 1e6:.1f} MB)")

@@ -1,0 +1,42 @@
+"""vsnap inspect IMAGE"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from .._manifest import read_manifest
+from . import _render
+from . import app, error_boundary
+
+
+@app.command(help="Show what an image holds (reads manifest.json only).")
+@error_boundary
+def inspect(
+    image: Path = typer.Argument(..., help="image directory"),
+    as_json: bool = typer.Option(False, "--json", help="print the manifest as JSON"),
+) -> None:
+    manifest = read_manifest(image)
+    if as_json:
+        _render.print_json("inspect", {"image": str(image), "manifest": manifest.model_dump(mode="json")})
+        return
+    table = Table(title=f"image {image}", title_justify="left", show_header=False)
+    table.add_column("key")
+    table.add_column("value", overflow="fold")
+    h = manifest.host
+    rows = [
+        ("name", manifest.name), ("engine", manifest.engine), ("model", manifest.launch.model),
+        ("created", manifest.created_at), ("host", f"{h.hostname}: {h.arch}, kernel {h.kernel}, criu {h.criu}"),
+        ("software", f"python {h.python}, torch {h.torch}, vllm {h.vllm or '-'}, vsnap {h.vsnap}"),
+        ("size", f"{manifest.sizes.get('image_bytes', 0) / 1e6:.1f} MB in {len(manifest.files)} files"),
+        ("control dir", manifest.control_dir),
+        ("oracle", f"{len(manifest.oracle.samples)} prompts x {manifest.launch.oracle_max_tokens} tokens, "
+                   f"top-{manifest.launch.oracle_top_k}, tolerance {manifest.launch.oracle_tolerance:g}"),
+        ("depends on", f"{len(manifest.dependencies)} host files"),
+        ("capture", ", ".join(f"{k} {v:.2f}s" for k, v in manifest.timings.items())),
+    ]
+    for key, value in rows:
+        table.add_row(key, value)
+    _render.stdout.print(table)

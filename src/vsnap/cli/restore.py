@@ -1,0 +1,49 @@
+"""vsnap restore IMAGE"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from .. import _restore
+from .._errors import EngineError
+from . import _render
+from . import app, error_boundary
+
+
+@app.command(help="Restore IMAGE, prove it with the oracle, then serve on --host/--port. "
+                  "Foreground by default (Ctrl-C stops it and leaves nothing running).")
+@error_boundary
+def restore(
+    image: Path = typer.Argument(..., help="image directory"),
+    host: str = typer.Option("127.0.0.1", "--host", help="address to serve on"),
+    port: int = typer.Option(8000, "--port", min=0, max=65535, help="port to serve on (0: any free port)"),
+    detach: bool = typer.Option(False, "--detach", help="leave the server running and print its pid"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON document on stdout"),
+) -> None:
+    progress = _render.PhaseProgress()
+    try:
+        server = _restore.restore_image(image, host=host, port=port, on_event=progress)
+    finally:
+        progress.close()
+    if as_json:
+        _render.print_json("restore", {
+            "pid": server.pid, "url": server.url, "host": server.host, "port": server.port,
+            "timings": server.timings, "total_s": sum(server.timings.values()), "recovery": server.recovery,
+            "engine_log": str(server.engine_log), "restore_log": str(server.restore_log), "detached": detach,
+        })
+    else:
+        _render.stdout.print(_render.timing_table(f"restored {server.image_dir}", server.timings, server.recovery))
+        _render.stdout.print(f"serving {server.url} (pid {server.pid}); engine log {server.engine_log}")
+    if detach:
+        return
+    if not as_json:
+        _render.stderr.print("Ctrl-C stops the server")
+    try:
+        _restore.wait_server(server.pid)
+    except KeyboardInterrupt:
+        _render.stderr.print("stopping the server…")
+        _restore.stop_server(server.pid)
+        raise
+    raise EngineError("serve", "EngineExited", "the server exited", log_path=server.engine_log)

@@ -1,0 +1,43 @@
+"""vsnap validate [SPEC|IMAGE]"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from .._validate import validate_target
+from . import _render
+from . import app, error_boundary
+
+
+@app.command(help="Check, before anything expensive runs, whether this host can capture SPEC or restore IMAGE "
+                  "(no argument: check the host). Exits with the code of the first failed check.")
+@error_boundary
+def validate(
+    target: Optional[Path] = typer.Argument(None, help="a model.yaml or an image directory"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON document on stdout"),
+) -> None:
+    report = validate_target(target)
+    if as_json:
+        _render.print_json("validate", {
+            "target": report.target, "target_kind": report.kind, "ok": report.ok,
+            "checks": [{"name": c.name, "ok": c.ok, "detail": c.detail,
+                        "error": c.error.to_dict() if c.error else None} for c in report.checks],
+        })
+    else:
+        table = Table(title=f"validate {report.kind}" + (f" {report.target}" if report.target else ""),
+                      title_justify="left")
+        table.add_column("check")
+        table.add_column("")
+        table.add_column("detail", overflow="fold")
+        for c in report.checks:
+            table.add_row(c.name, "[green]ok[/]" if c.ok else "[red]FAIL[/]", c.detail)
+        _render.stdout.print(table)
+    error = report.first_error
+    if error is not None:
+        if not as_json:
+            _render.print_error(error, False)
+        raise typer.Exit(code=error.exit_code)

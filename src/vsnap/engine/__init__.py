@@ -1,0 +1,1 @@
+"""The engine tree: runs inside its own PID and mount namespace (see __main__)."""

@@ -1,0 +1,97 @@
+"""``python -m vsnap.engine CONTROL_DIR``: the root of the engine tree (PID 1 of its namespace).
+
+First thing, the root makes itself a session leader and reopens stdin (/dev/null), stdout and
+stderr (the engine log, O_APPEND) so every fd of the tree is opened inside the tree's mount
+namespace. As PID 1 it ignores SIGTERM and SIGINT unless it installs handlers, and it must reap
+the orphans re-parented to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+from .._control import ENGINE_LOG
+
+
+def _reopen_stdio(log_path: Path) -> None:
+    null = os.open("/dev/null", os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+
+
+def _reap_orphans() -> None:
+    """Reap zombies of processes we did not start ourselves (multiprocessing waits for its own)."""
+    import multiprocessing
+
+    while True:
+        time.sleep(0.5)
+        own = {p.pid for p in multiprocessing.active_children()}
+        try:
+            entries = os.listdir("/proc")
+        except OSError:
+            continue
+        for entry in entries:
+            if not entry.isdigit() or int(entry) in own:
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] == "Z" and int(fields[1]) == os.getpid():
+                try:
+                    os.waitpid(int(entry), os.WNOHANG)
+                except ChildProcessError:
+                    pass
+
+
+async def _main(control_dir: Path) -> None:
+    from .launcher import run_engine
+
+    task = asyncio.current_task()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, task.cancel)  # type: ignore[union-attr]
+    await run_engine(control_dir)
+
+
+def main() -> int:
+    if len(sys.argv) != 2:
+        print("usage: python -m vsnap.engine CONTROL_DIR", file=sys.stderr)
+        return 2
+    control_dir = Path(sys.argv[1])
+    try:
+        os.setsid()
+    except OSError:
+        pass
+    _reopen_stdio(control_dir / ENGINE_LOG)
+    print(f"vsnap engine root pid {os.getpid()} starting", flush=True)
+    if os.getpid() == 1:
+        threading.Thread(target=_reap_orphans, name="reaper", daemon=True).start()
+    try:
+        asyncio.run(_main(control_dir))
+    except (asyncio.CancelledError, KeyboardInterrupt):
+        print("vsnap engine stopped by signal", flush=True)
+        return 0
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    print("vsnap engine exited", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

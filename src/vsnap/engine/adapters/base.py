@@ -1,0 +1,51 @@
+"""The three verbs the launcher drives, whatever the engine."""
+
+from __future__ import annotations
+
+import abc
+import socket
+from typing import Any
+
+from ..._control import LaunchConfig
+from ..._oracle import Oracle
+
+
+class EngineAdapter(abc.ABC):
+    """prepare() before the capture barrier, recover() after activation, then serve()."""
+
+    def __init__(self, launch: LaunchConfig) -> None:
+        self.launch = launch
+
+    @abc.abstractmethod
+    async def build(self) -> None:
+        """Start the engine: load weights, warm up, spawn workers."""
+
+    @abc.abstractmethod
+    async def prepare(self) -> Oracle:
+        """Compute the oracle, then release what can be rebuilt (weights, caches)."""
+
+    @abc.abstractmethod
+    async def recover(self) -> dict[str, Any]:
+        """Re-acquire memory and reload weights; return timings. The launcher re-runs the oracle."""
+
+    @abc.abstractmethod
+    async def run_oracle(self) -> Oracle:
+        """Greedy outputs with top-k logprobs for the launch's oracle prompts, one request at a time."""
+
+    @abc.abstractmethod
+    async def serve(self, sock: socket.socket) -> None:
+        """Serve the OpenAI-compatible API on an already bound socket until told to stop."""
+
+    @abc.abstractmethod
+    async def shutdown(self) -> None:
+        """Stop workers; idempotent."""
+
+
+def make_adapter(launch: LaunchConfig) -> EngineAdapter:
+    if launch.engine == "cpu":
+        from .cpu import CpuAdapter
+
+        return CpuAdapter(launch)
+    from ..._errors import EngineError
+
+    raise EngineError("build engine", "NotSupported", "engine 'vllm' is not implemented in this vsnap yet")

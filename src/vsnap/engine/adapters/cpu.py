@@ -1,0 +1,108 @@
+"""The built-in CPU engine: an HTTP frontend (this process) and a spawned worker holding the model.
+
+The same process shape as vLLM: the frontend owns the HTTP socket, the worker owns the
+model, and they talk over IPC (a multiprocessing pipe). prepare() drops the weights in the
+worker; recover() reloads them from the safetensors file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import socket
+import threading
+import time
+from typing import Any
+
+from ..._errors import EngineError
+from ..._oracle import Oracle, OracleSample
+from .. import cpu_model
+from .base import EngineAdapter
+
+
+class CpuAdapter(EngineAdapter):
+    def __init__(self, launch: Any) -> None:
+        super().__init__(launch)
+        self._conn: Any = None
+        self._process: multiprocessing.process.BaseProcess | None = None
+        self._lock = threading.Lock()  # one request on the pipe at a time
+        self.max_len = int(launch.serve_args.get("max_model_len", 256))
+
+    # --- IPC -----------------------------------------------------------------------------
+    def _call_blocking(self, verb: str, *args: Any) -> Any:
+        with self._lock:
+            if self._conn is None:
+                raise EngineError("serve", "WorkerGone", "the worker is not running")
+            try:
+                self._conn.send((verb, *args))
+                reply = self._conn.recv()
+            except (EOFError, OSError) as exc:
+                raise EngineError("serve", "WorkerGone", f"the worker died ({exc or type(exc).__name__})") from None
+        if reply[0] == "ok":
+            return reply[1]
+        _, type_name, message = reply
+        if type_name == "ValueError":
+            raise ValueError(message)
+        raise EngineError(verb, type_name, message)
+
+    async def call(self, verb: str, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(None, self._call_blocking, verb, *args)
+
+    async def generate(self, prompt: str, max_tokens: int, top_k: int) -> dict[str, Any]:
+        return await self.call("generate", prompt, max_tokens, top_k, self.max_len)
+
+    # --- verbs ---------------------------------------------------------------------------
+    async def build(self) -> None:
+        from ..cpu_worker import serve_pipe
+
+        context = multiprocessing.get_context("spawn")
+        parent, child = context.Pipe()
+        self._process = context.Process(target=serve_pipe, args=(child, self.launch.model), name="vsnap-cpu-worker")
+        self._process.start()
+        child.close()
+        self._conn = parent
+        if await self.call("ping") != "pong":
+            raise EngineError("build engine", "WorkerProtocol", "the worker did not answer ping")
+
+    async def run_oracle(self) -> Oracle:
+        samples = []
+        for prompt in self.launch.oracle_prompts:
+            out = await self.generate(prompt, self.launch.oracle_max_tokens, self.launch.oracle_top_k)
+            samples.append(OracleSample(prompt=prompt, token_ids=out["token_ids"], logprobs=out["logprobs"],
+                                        text=cpu_model.decode(out["token_ids"])))
+        return Oracle(samples=samples)
+
+    async def prepare(self) -> Oracle:
+        oracle = await self.run_oracle()
+        await self.call("drop_weights")
+        return oracle
+
+    async def recover(self) -> dict[str, Any]:
+        start = time.monotonic()
+        loaded = await self.call("load_weights")
+        return {"reload_weights_s": time.monotonic() - start, "weight_bytes": loaded}
+
+    async def serve(self, sock: socket.socket) -> None:
+        import uvicorn
+
+        from ..cpu_server import build_app
+
+        app = build_app(self, self.launch.served_model_name)
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
+        await uvicorn.Server(config).serve(sockets=[sock])
+
+    async def shutdown(self) -> None:
+        process, self._process = self._process, None
+        if process is None:
+            return
+        try:
+            await asyncio.wait_for(self.call("exit"), timeout=5)
+        except Exception:
+            pass
+        process.join(timeout=5)
+        if process.is_alive():
+            process.kill()
+            process.join(timeout=5)
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None

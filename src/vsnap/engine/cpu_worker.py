@@ -1,0 +1,41 @@
+"""The CPU engine's worker process: holds the model, answers requests over a multiprocessing pipe.
+
+It is spawned (not forked) by the frontend, like vLLM's EngineCore. Requests are tuples
+``(verb, *args)``; replies are ``("ok", value)`` or ``("error", type, message)``.
+"""
+
+from __future__ import annotations
+
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+
+def serve_pipe(conn: Connection, model_dir: str) -> None:
+    import torch
+
+    from . import cpu_model
+
+    # One thread: the same arithmetic order on every run, and fewer threads to checkpoint.
+    torch.set_num_threads(1)
+    directory = Path(model_dir)
+    model = cpu_model.TinyDecoder(cpu_model.read_config(directory)).eval()
+    cpu_model.load_weights(model, directory)
+    handlers: dict[str, Any] = {
+        "ping": lambda: "pong",
+        "generate": lambda prompt, max_tokens, top_k, max_len: cpu_model.generate(model, prompt, max_tokens, top_k, max_len),
+        "drop_weights": lambda: cpu_model.drop_weights(model),
+        "load_weights": lambda: cpu_model.load_weights(model, directory),
+    }
+    while True:
+        try:
+            verb, *args = conn.recv()
+        except EOFError:
+            return
+        if verb == "exit":
+            conn.send(("ok", None))
+            return
+        try:
+            conn.send(("ok", handlers[verb](*args)))
+        except Exception as exc:  # reported to the frontend, which decides
+            conn.send(("error", type(exc).__name__, str(exc)))
