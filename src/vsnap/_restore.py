@@ -136,7 +136,7 @@ def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000,
         other = running_instance(control_dir)
         if other is not None:
             raise ProcessTreeError(other, f"a restored server of this image is already running (pid {other})",
-                                   phase="prepare host", hint=f"stop it first (kill {other}), or capture a second image")
+                                   phase="prepare host", hint=f"stop it first (vsnap stop {image_dir}), or capture a second image")
         control.remove_control_files(control_dir)
         # CRIU reopens the log at its captured size: put the captured log back.
         shutil.copy2(image_dir / ENGINE_LOG, engine_log)

@@ -53,6 +53,10 @@ class CpuAdapter(EngineAdapter):
 
     # --- verbs ---------------------------------------------------------------------------
     async def build(self) -> None:
+        # Import the HTTP stack now, so that it is in the image and not paid for at restore.
+        import uvicorn  # noqa: F401
+
+        from .. import cpu_server  # noqa: F401
         from ..cpu_worker import serve_pipe
 
         context = multiprocessing.get_context("spawn")

@@ -1,0 +1,53 @@
+"""Shared fixtures. Tests that need CRIU and root are marked `criu`: they skip with the host's reason
+on a developer machine, and fail instead of skipping in CI (CI=true), where they must run."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+VSNAP = str(Path(sys.executable).with_name("vsnap"))
+
+
+def criu_unavailable_reason() -> str | None:
+    from vsnap._errors import VsnapError
+    from vsnap._host import check_criu, check_root
+
+    try:
+        check_root()
+        check_criu()
+    except VsnapError as exc:
+        return exc.message
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not any(item.get_closest_marker("criu") for item in items):
+        return
+    reason = criu_unavailable_reason()
+    if reason is None:
+        return
+    if os.environ.get("CI"):
+        raise pytest.UsageError(f"CI must run the CRIU tests, but this host cannot: {reason}")
+    for item in items:
+        if item.get_closest_marker("criu"):
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def engine_processes(control_dir: Path) -> list[int]:
+    """PIDs of engine trees that use ``control_dir`` (what a test must find none of)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            status = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if status != "Z" and b"vsnap.engine" in cmdline and str(control_dir).encode() in cmdline:
+            found.append(int(entry))
+    return found

@@ -1,0 +1,215 @@
+"""The real thing, no GPU: capture the CPU engine with CRIU, restore it, prove it with the oracle."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import VSNAP, engine_processes
+from tests.integration.conftest import CapturedImage, run_vsnap, write_spec
+from vsnap import EngineError, capture_image, load_spec, restore_image, stop_server
+from vsnap._oracle import Oracle
+from vsnap._shm import link_remap_files
+
+pytestmark = pytest.mark.criu
+
+
+def complete(url: str, prompt: str, max_tokens: int, logprobs: int) -> dict:
+    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "logprobs": logprobs}).encode()
+    request = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.load(response)["choices"][0]
+
+
+def assert_serves_oracle(url: str, oracle: Oracle, top_k: int) -> None:
+    """Every oracle prompt, asked over HTTP, gives the captured tokens and exactly the captured logprobs."""
+    for sample in oracle.samples:
+        choice = complete(url, sample.prompt, len(sample.token_ids), top_k)
+        assert choice["token_ids"] == sample.token_ids
+        expected = [top[str(token)] for token, top in zip(sample.token_ids, sample.logprobs)]
+        assert choice["logprobs"]["token_logprobs"] == expected
+        assert [sorted(top.values()) for top in choice["logprobs"]["top_logprobs"]] == \
+               [sorted(top.values()) for top in sample.logprobs]
+
+
+def test_capture_publishes_complete_private_image_and_leaves_nothing(captured: CapturedImage) -> None:
+    assert captured.capture_json["kind"] == "capture"
+    assert engine_processes(captured.control_dir) == []
+    assert captured.image.stat().st_mode & 0o777 == 0o700
+    assert all((captured.image / rel).stat().st_mode & 0o777 == 0o600 for rel in captured.manifest.files)
+    assert any(rel.startswith("criu/pages-") for rel in captured.manifest.files)
+    assert [p.name for p in captured.image.parent.iterdir() if p.name.startswith(".cpu-it.staging")] == []
+    oracle = captured.manifest.oracle
+    assert len(oracle.samples) == 3 and all(len(s.token_ids) == 8 for s in oracle.samples)
+    weights = [d for d in captured.manifest.dependencies if d.path.endswith("model.safetensors")]
+    assert len(weights) == 1 and weights[0].sha256
+
+
+def test_restore_serves_the_oracle_then_again_after_stop(captured: CapturedImage) -> None:
+    for _ in range(2):  # one image restores any number of times
+        server = restore_image(captured.image, port=0)
+        try:
+            assert engine_processes(captured.control_dir) == [server.pid]
+            assert set(server.timings) == {"verify image", "prepare host", "criu restore", "recover", "serve"}
+            assert_serves_oracle(server.url, captured.manifest.oracle, captured.manifest.launch.oracle_top_k)
+        finally:
+            stop_server(server.pid)
+        assert engine_processes(captured.control_dir) == []
+        assert not any(name in link_remap_files() for name in captured.manifest.shm_files)
+
+
+def test_second_restore_of_a_running_image_is_refused(captured: CapturedImage) -> None:
+    server = restore_image(captured.image, port=0)
+    try:
+        result = run_vsnap("restore", str(captured.image), "--port", "0", "--detach")
+        assert result.returncode == 5
+        assert f"a restored server of this image is already running (pid {server.pid})" in result.stderr
+    finally:
+        stop_server(server.pid)
+
+
+def test_port_in_use_refused_before_criu(captured: CapturedImage) -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = run_vsnap("restore", str(captured.image), "--port", str(port))
+    assert result.returncode == 3
+    assert f"cannot serve on 127.0.0.1:{port}" in result.stderr
+    assert engine_processes(captured.control_dir) == []
+
+
+def test_cli_foreground_restore_stops_cleanly_on_ctrl_c(captured: CapturedImage) -> None:
+    process = subprocess.Popen([VSNAP, "restore", str(captured.image), "--port", "0", "--json"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        text = ""
+        assert process.stdout is not None
+        while True:
+            line = process.stdout.readline()
+            assert line, process.stderr.read() if process.stderr else "no output"
+            text += line
+            if line.startswith("}"):
+                break
+        doc = json.loads(text)
+        assert doc["kind"] == "restore" and doc["detached"] is False
+        sample = captured.manifest.oracle.samples[0]
+        assert complete(doc["url"], sample.prompt, 8, 1)["token_ids"] == sample.token_ids
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=30) == 130
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert engine_processes(captured.control_dir) == []
+
+
+def test_detach_then_stop(captured: CapturedImage) -> None:
+    result = run_vsnap("restore", str(captured.image), "--port", "0", "--detach", "--json")
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert engine_processes(captured.control_dir) == [doc["pid"]]
+    stopped = run_vsnap("stop", str(captured.image), "--json")
+    assert stopped.returncode == 0 and json.loads(stopped.stdout)["pid"] == doc["pid"]
+    assert engine_processes(captured.control_dir) == []
+
+
+def test_validate_and_inspect(captured: CapturedImage) -> None:
+    result = run_vsnap("validate", str(captured.image), "--json")
+    assert result.returncode == 0, result.stdout
+    doc = json.loads(result.stdout)
+    assert doc["ok"] and {c["name"] for c in doc["checks"]} >= {"manifest", "image files", "host match", "criu"}
+    result = run_vsnap("inspect", str(captured.image), "--json")
+    assert json.loads(result.stdout)["manifest"]["oracle"] == captured.manifest.oracle.model_dump(mode="json")
+    spec_check = run_vsnap("validate", str(captured.spec))
+    assert spec_check.returncode == 0 and "criu" in spec_check.stdout
+
+
+def _copy(captured: CapturedImage, tmp_path: Path) -> Path:
+    copy = tmp_path / "images" / "copy"
+    copy.parent.mkdir(mode=0o700)
+    shutil.copytree(captured.image, copy, symlinks=True)
+    return copy
+
+
+def _flip_byte(path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.seek(path.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "symlink", "extra", "manifest"])
+def test_altered_image_refused_with_its_name(captured: CapturedImage, tmp_path: Path, damage: str) -> None:
+    copy = _copy(captured, tmp_path)
+    pages = max((copy / "criu").glob("pages-*.img"), key=lambda p: p.stat().st_size)
+    name = f"criu/{pages.name}"
+    if damage == "flip":
+        _flip_byte(pages)
+    elif damage == "truncate":
+        os.truncate(pages, pages.stat().st_size - 4096)
+    elif damage == "symlink":
+        other = tmp_path / "other.img"
+        shutil.copy(pages, other)
+        pages.unlink()
+        pages.symlink_to(other)
+    elif damage == "extra":
+        name = "criu/extra.img"
+        (copy / name).write_bytes(b"x")
+    else:
+        name = "manifest.json"
+        (copy / name).write_text((copy / name).read_text()[:-200])
+    for command in (["validate", str(copy)], ["restore", str(copy), "--port", "0"]):
+        result = run_vsnap(*command)
+        assert result.returncode == 4, (command, result.stdout, result.stderr)
+        assert name in result.stdout + result.stderr
+    assert engine_processes(captured.control_dir) == []
+
+
+def test_engine_dying_before_ready_leaves_no_image_and_no_process(tmp_path: Path) -> None:
+    from vsnap.engine.cpu_model import write_model
+
+    model = write_model(tmp_path / "broken-model")
+    (model / "model.safetensors").write_bytes(b"\0" * 64)  # the worker cannot load it
+    spec = load_spec(write_spec(tmp_path, "dies", model=str(model)))
+    before = set(link_remap_files())
+    with pytest.raises(EngineError) as info:
+        capture_image(spec)
+    assert info.value.phase == "build engine"
+    assert info.value.log_path == str(spec.control_dir / "engine.log")
+    assert not spec.image_dir.exists()
+    assert [p.name for p in spec.image_dir.parent.iterdir() if "staging" in p.name] == []
+    assert engine_processes(spec.control_dir) == []
+    assert set(link_remap_files()) == before
+
+
+def test_existing_image_needs_force(captured: CapturedImage) -> None:
+    result = run_vsnap("capture", str(captured.spec))
+    assert result.returncode == 4
+    assert "already exists" in result.stderr and "--force" in result.stderr
+
+
+def test_bad_spec_reports_line_and_key_before_anything_runs(tmp_path: Path) -> None:
+    spec = tmp_path / "bad.yaml"
+    spec.write_text(f"name: bad\nengine: cpu\nimage: {tmp_path}/img\noracle:\n  top_k: lots\n")
+    result = run_vsnap("capture", str(spec))
+    assert result.returncode == 2
+    assert f"{spec}:5:3 oracle.top_k: Input should be a valid integer" in result.stderr
+    missing = tmp_path / "missing.yaml"
+    missing.write_text(f"name: m\nengine: cpu\nimage: {tmp_path}/img\nmodel: {tmp_path}/no-model\n")
+    result = run_vsnap("capture", str(missing), "--json")
+    assert result.returncode == 2
+    doc = json.loads(result.stdout)
+    assert doc["issues"][0]["line"] == 4 and doc["issues"][0]["field"] == "model"
+    assert not (tmp_path / "img").exists()
+    assert not Path("/run/vsnap/m").exists()

@@ -1,0 +1,100 @@
+import os
+from pathlib import Path
+
+import pytest
+
+from vsnap import _control as control
+from vsnap._control import Activation, Status
+from vsnap._errors import ControlProtocolError, PhaseTimeout
+
+
+@pytest.fixture
+def ctl(tmp_path: Path) -> Path:
+    return control.ensure_private_dir(tmp_path / "ctl")
+
+
+def test_roundtrip_is_atomic_and_private(ctl: Path) -> None:
+    control.write_message(ctl, control.ACTIVATION, Activation(host="127.0.0.1", port=8000))
+    assert control.read_message(ctl, control.ACTIVATION, Activation) == Activation(host="127.0.0.1", port=8000)
+    assert (ctl / control.ACTIVATION).stat().st_mode & 0o777 == 0o600
+    assert [p.name for p in ctl.iterdir()] == [control.ACTIVATION]  # no temp file left
+    assert control.read_message(ctl, control.STATUS, Status) is None
+
+
+def test_symlinked_control_file_refused(ctl: Path, tmp_path: Path) -> None:
+    (tmp_path / "elsewhere.json").write_text('{"host": "0.0.0.0", "port": 1}')
+    os.symlink(tmp_path / "elsewhere.json", ctl / control.ACTIVATION)
+    with pytest.raises(ControlProtocolError, match="is a symlink"):
+        control.read_message(ctl, control.ACTIVATION, Activation)
+
+
+def test_write_does_not_follow_symlink(ctl: Path, tmp_path: Path) -> None:
+    target = tmp_path / "victim"
+    target.write_text("keep")
+    os.symlink(target, ctl / control.STATUS)
+    control.write_message(ctl, control.STATUS, Status(state="validated"))
+    assert target.read_text() == "keep"
+    assert not (ctl / control.STATUS).is_symlink()
+
+
+def test_file_others_could_write_refused(ctl: Path) -> None:
+    path = ctl / control.ACTIVATION
+    path.write_text('{"host": "127.0.0.1", "port": 1}')
+    os.chmod(path, 0o666)
+    with pytest.raises(ControlProtocolError, match="others could have written it"):
+        control.read_message(ctl, control.ACTIVATION, Activation)
+
+
+def test_file_of_another_user_refused(ctl: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("chown to another user needs root")
+    path = ctl / control.ACTIVATION
+    path.write_text('{"host": "127.0.0.1", "port": 1}')
+    os.chmod(path, 0o600)
+    os.chown(path, 65534, 65534)
+    with pytest.raises(ControlProtocolError, match="written by uid 65534"):
+        control.read_message(ctl, control.ACTIVATION, Activation)
+
+
+def test_malformed_file_refused(ctl: Path) -> None:
+    control.write_atomic(ctl, control.ACTIVATION, b'{"host": "x", "port": 99999}')
+    with pytest.raises(ControlProtocolError, match="malformed"):
+        control.read_message(ctl, control.ACTIVATION, Activation)
+
+
+def test_directory_rules(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    os.chmod(shared, 0o755)
+    with pytest.raises(ControlProtocolError, match="must be private"):
+        control.ensure_private_dir(shared)
+    os.symlink(shared, tmp_path / "link")
+    with pytest.raises(ControlProtocolError, match="is a symlink"):
+        control.ensure_private_dir(tmp_path / "link")
+
+
+def test_wait_survives_clock_jump(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restore days later makes CLOCK_MONOTONIC jump: the jump must not expire the wait."""
+    clock = [1000.0]
+    calls = [0]
+    monkeypatch.setattr(control.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(control.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+
+    def probe() -> str | None:
+        calls[0] += 1
+        if calls[0] == 3:
+            clock[0] += 5 * 24 * 3600  # restored five days later
+        if calls[0] == 4:
+            clock[0] -= 9 * 24 * 3600  # on a host whose clock started later
+        return "activated" if calls[0] == 10 else None
+
+    assert control.wait_until(probe, timeout_s=5, phase="wait", interval_s=0.1) == "activated"
+
+
+def test_wait_times_out_on_real_waiting(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [0.0]
+    monkeypatch.setattr(control.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(control.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    with pytest.raises(PhaseTimeout, match="wait did not finish within 2 s"):
+        control.wait_until(lambda: None, timeout_s=2, phase="wait", interval_s=0.5)
+    assert 2 <= clock[0] <= 3

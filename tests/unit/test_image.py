@@ -1,0 +1,59 @@
+import os
+from pathlib import Path
+
+import pytest
+
+from vsnap._errors import ImageError
+from vsnap._image import check_parent, checksum_tree, image_lock, make_staging, publish
+
+
+def test_publish_new_and_replace(tmp_path: Path) -> None:
+    parent = tmp_path / "images"
+    parent.mkdir(mode=0o700)
+    image = parent / "img"
+    first = make_staging(image)
+    (first / "a").write_text("one")
+    publish(first, image)
+    assert (image / "a").read_text() == "one"
+    assert image.stat().st_mode & 0o777 == 0o700 and (image / "a").stat().st_mode & 0o777 == 0o600
+    second = make_staging(image)
+    (second / "a").write_text("two")
+    publish(second, image)
+    assert (image / "a").read_text() == "two"
+    assert sorted(p.name for p in parent.iterdir()) == ["img"]  # the old image and staging are gone
+
+
+def test_publish_refuses_to_replace_non_image(tmp_path: Path) -> None:
+    image = tmp_path / "img"
+    image.write_text("a file")
+    staging = make_staging(image)
+    with pytest.raises(ImageError, match="not an image directory"):
+        publish(staging, image)
+    assert image.read_text() == "a file"
+
+
+def test_parent_writable_by_others_refused(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    with pytest.raises(ImageError, match="writable by group or others"):
+        check_parent(shared / "img")
+
+
+def test_second_capture_to_same_path_refused(tmp_path: Path) -> None:
+    image = tmp_path / "img"
+    with image_lock(image):
+        with pytest.raises(ImageError, match="another vsnap capture is writing"):
+            with image_lock(image):
+                pass
+    with image_lock(image):  # released
+        pass
+
+
+def test_checksum_tree(tmp_path: Path) -> None:
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "x").write_bytes(b"abc")
+    (tmp_path / "manifest.json").write_text("{}")
+    files = checksum_tree(tmp_path)
+    assert list(files) == ["sub/x"]
+    assert files["sub/x"].sha256 == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
