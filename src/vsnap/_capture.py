@@ -51,6 +51,15 @@ def resolve_model(spec: ModelSpec) -> Path:
     return cpu_model.write_model(directory)
 
 
+def launch_config(spec: ModelSpec, model_dir: Path) -> LaunchConfig:
+    return LaunchConfig(
+        engine=spec.engine, model=str(model_dir), served_model_name=spec.served_model_name,
+        serve_args=dict(spec.serve), oracle_prompts=list(spec.oracle.prompts),
+        oracle_max_tokens=spec.oracle.max_tokens, oracle_top_k=spec.oracle.top_k,
+        oracle_tolerance=spec.oracle.tolerance, timeout_s=spec.snapshot.timeout_s,
+    )
+
+
 def tree_environment(control_dir: Path) -> dict[str, str]:
     env = dict(os.environ)
     env.update({"PYTHONUNBUFFERED": "1", "VSNAP_CONTROL_DIR": str(control_dir), "OMP_NUM_THREADS": "1",
@@ -60,7 +69,7 @@ def tree_environment(control_dir: Path) -> dict[str, str]:
     return env
 
 
-def _wait_ready(tree: LaunchedTree, control_dir: Path, timeout_s: float) -> Ready:
+def wait_ready(tree: LaunchedTree, control_dir: Path, timeout_s: float) -> Ready:
     log = control_dir / control.ENGINE_LOG
 
     def probe() -> Ready | None:
@@ -112,12 +121,7 @@ def capture_image(spec: ModelSpec, *, image_dir: Path | None = None, force: bool
             model_dir = resolve_model(spec)
         control.ensure_private_dir(control_dir)
         control.remove_control_files(control_dir, (*control.CONTROL_FILES, control.LAUNCH, control.ENGINE_LOG))
-        launch = LaunchConfig(
-            engine=spec.engine, model=str(model_dir), served_model_name=spec.served_model_name,
-            serve_args=dict(spec.serve), oracle_prompts=list(spec.oracle.prompts),
-            oracle_max_tokens=spec.oracle.max_tokens, oracle_top_k=spec.oracle.top_k,
-            oracle_tolerance=spec.oracle.tolerance, timeout_s=spec.snapshot.timeout_s,
-        )
+        launch = launch_config(spec, model_dir)
         control.write_message(control_dir, control.LAUNCH, launch)
         engine_log = control_dir / control.ENGINE_LOG
         staging = make_staging(image_dir)
@@ -127,7 +131,7 @@ def capture_image(spec: ModelSpec, *, image_dir: Path | None = None, force: bool
             with timings.phase("launch"):
                 tree = launch_tree(control_dir, tree_environment(control_dir), engine_log)
             with timings.phase("boot engine"):
-                ready = _wait_ready(tree, control_dir, spec.snapshot.timeout_s)
+                ready = wait_ready(tree, control_dir, spec.snapshot.timeout_s)
             pids = tree_pids(tree.root_pid)
             dependencies = _dependencies(pids, model_dir, control_dir)
             with open(f"/proc/{tree.root_pid}/mountinfo") as f:

@@ -165,10 +165,8 @@ def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000,
     server.timings = dict(timings.seconds)
     t = validated.times
     server.recovery = {k: v for k, v in validated.detail.items() if isinstance(v, (int, float))}
-    if "activated" in t and "recovered" in t:
-        server.recovery["engine_reload_s"] = t["recovered"] - t["activated"]
     if "recovered" in t and "oracle_checked" in t:
-        server.recovery["engine_oracle_s"] = t["oracle_checked"] - t["recovered"]
+        server.recovery["oracle_s"] = t["oracle_checked"] - t["recovered"]
     return server
 
 
