@@ -60,10 +60,28 @@ def launch_config(spec: ModelSpec, model_dir: Path) -> LaunchConfig:
     )
 
 
-def tree_environment(control_dir: Path) -> dict[str, str]:
+VLLM_CACHE_ROOT = "/var/cache/vsnap/vllm"
+
+
+def tree_environment(control_dir: Path, engine: str = "cpu") -> dict[str, str]:
+    """The tree's environment: the caller's, plus what makes it checkpointable (set by vsnap, not the user)."""
     env = dict(os.environ)
-    env.update({"PYTHONUNBUFFERED": "1", "VSNAP_CONTROL_DIR": str(control_dir), "OMP_NUM_THREADS": "1",
+    env.update({"PYTHONUNBUFFERED": "1", "VSNAP_CONTROL_DIR": str(control_dir),
                 "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    if engine == "cpu":
+        env["OMP_NUM_THREADS"] = "1"
+    else:
+        rpc_dir = control_dir / "rpc"
+        rpc_dir.mkdir(mode=0o700, exist_ok=True)
+        env.update({
+            "VLLM_WORKER_MULTIPROC_METHOD": "spawn",  # fork would copy a CUDA context
+            "VLLM_HOST_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+            "VLLM_RPC_BASE_PATH": str(rpc_dir),  # IPC sockets in the private control dir
+            "NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo",
+            "TORCH_NCCL_ENABLE_MONITORING": "0",
+            "UV_USE_IO_URING": "0",  # CRIU cannot dump io_uring
+        })
+        env.setdefault("VLLM_CACHE_ROOT", VLLM_CACHE_ROOT)  # compile cache survives between captures
     src = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
@@ -113,6 +131,10 @@ def capture_image(spec: ModelSpec, *, image_dir: Path | None = None, force: bool
         require_host(spec.engine)
         runner = CriuRunner.locate()
         check_parent(image_dir)
+        if spec.engine == "vllm":
+            from ._vllm_check import require_supported_args
+
+            require_supported_args(spec)
     with image_lock(image_dir):
         if image_dir.exists() and not force:
             raise ImageError(f"{image_dir} already exists", hint="pass --force to replace it once the new one is complete")
@@ -129,7 +151,7 @@ def capture_image(spec: ModelSpec, *, image_dir: Path | None = None, force: bool
         tree: LaunchedTree | None = None
         try:
             with timings.phase("launch"):
-                tree = launch_tree(control_dir, tree_environment(control_dir), engine_log)
+                tree = launch_tree(control_dir, tree_environment(control_dir, spec.engine), engine_log)
             with timings.phase("boot engine"):
                 ready = wait_ready(tree, control_dir, spec.snapshot.timeout_s)
             pids = tree_pids(tree.root_pid)
@@ -139,6 +161,14 @@ def capture_image(spec: ModelSpec, *, image_dir: Path | None = None, force: bool
             facts = host_facts(spec.engine)
             (staging / CRIU_DIR).mkdir()
             (staging / "logs").mkdir()
+            cuda_pids: list[int] = []
+            if spec.engine == "vllm":
+                from ._cuda import CudaCheckpoint
+
+                with timings.phase("cuda checkpoint"):
+                    cuda = CudaCheckpoint()
+                    cuda_pids = cuda.cuda_pids(pids)
+                    cuda.checkpoint(cuda_pids)
             with timings.phase("criu dump"):
                 runner.dump(DumpOptions(pid=tree.root_pid, images_dir=staging / CRIU_DIR,
                                         log_file=staging / DUMP_LOG, externals=externals))
@@ -160,7 +190,7 @@ def capture_image(spec: ModelSpec, *, image_dir: Path | None = None, force: bool
                     created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                     name=spec.name, engine=spec.engine, spec=spec.model_dump(mode="json"), launch=launch,
                     control_dir=str(control_dir), oracle=ready.oracle, host=facts, externals=externals,
-                    shm_files=shm_files, dependencies=dependencies,
+                    shm_files=shm_files, cuda_processes=len(cuda_pids), dependencies=dependencies,
                     timings={**timings.seconds, "engine_boot_to_ready": ready.times.get("prepared", 0)
                              - ready.times.get("start", 0)},
                     sizes={"image_bytes": image_bytes,

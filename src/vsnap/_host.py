@@ -62,6 +62,9 @@ def check_unshare() -> str:
     return f"unshare at {find_unshare()}"
 
 
+IO_URING_SYSCTL = Path("/proc/sys/kernel/io_uring_disabled")
+
+
 def check_engine_packages(engine: str) -> str:
     if engine == "cpu":
         missing = [p for p in ("torch", "safetensors", "fastapi", "uvicorn") if package_version(p) is None]
@@ -69,8 +72,35 @@ def check_engine_packages(engine: str) -> str:
             raise HostNotReady("engine", f"the cpu engine needs {', '.join(missing)}",
                                hint="pip install 'vsnap[cpu]'")
         return f"torch {package_version('torch')}"
-    raise HostNotReady("engine", "engine 'vllm' is not supported by this vsnap yet (CPU engine only)",
-                       hint="use engine: cpu")
+    vllm = package_version("vllm")
+    if vllm is None:
+        raise HostNotReady("engine", "the vllm engine needs vLLM 0.26.0", required="vllm 0.26.0", found="none",
+                           hint="pip install 'vsnap[vllm]'")
+    if package_version("cuda-bindings") is None and package_version("cuda-python") is None:
+        raise HostNotReady("engine", "the vllm engine needs cuda-bindings (the CUDA checkpoint API)",
+                           hint="pip install 'vsnap[vllm]'")
+    return f"vllm {vllm}, torch {package_version('torch')}"
+
+
+def check_io_uring() -> str:
+    """CRIU cannot dump io_uring, and vLLM's EngineCore creates one even with UV_USE_IO_URING=0."""
+    try:
+        value = IO_URING_SYSCTL.read_text().strip()
+    except OSError:
+        return "kernel has no io_uring_disabled sysctl"
+    if value != "2":
+        raise HostNotReady("io_uring", f"kernel.io_uring_disabled is {value}; CRIU cannot dump an io_uring",
+                           required="2", found=value, hint="sysctl -w kernel.io_uring_disabled=2")
+    return "kernel.io_uring_disabled=2"
+
+
+def check_gpu() -> str:
+    from ._cuda import gpu_facts
+
+    driver, cuda, gpus = gpu_facts()
+    if not gpus:
+        raise HostNotReady("gpu", "no CUDA GPU is visible", hint="check nvidia-smi and CUDA_VISIBLE_DEVICES")
+    return f"driver {driver}, CUDA {cuda}, " + ", ".join(f"{g['name']} ({g['memory_bytes'] >> 30} GiB)" for g in gpus)
 
 
 def preflight(engine: str | None) -> list[Check]:
@@ -78,6 +108,9 @@ def preflight(engine: str | None) -> list[Check]:
     checks = [_run_check("root", check_root), _run_check("criu", check_criu), _run_check("unshare", check_unshare)]
     if engine is not None:
         checks.append(_run_check(f"engine {engine}", lambda: check_engine_packages(engine)))
+    if engine == "vllm":
+        checks.append(_run_check("io_uring", check_io_uring))
+        checks.append(_run_check("gpu", check_gpu))
     return checks
 
 
@@ -90,7 +123,13 @@ def require_host(engine: str) -> None:
 
 def host_facts(engine: str) -> HostFacts:
     runner = CriuRunner.locate()
+    driver, cuda, gpus = None, None, []
+    if engine == "vllm":
+        from ._cuda import gpu_facts
+
+        driver, cuda, gpus = gpu_facts()
     return HostFacts(
+        driver=driver, cuda=cuda, gpus=gpus,
         hostname=socket.gethostname(),
         kernel=platform.release(),
         arch=platform.machine(),
@@ -102,7 +141,13 @@ def host_facts(engine: str) -> HostFacts:
     )
 
 
-def dependency_mismatches(dependencies: list[Dependency]) -> list[tuple[str, str, str]]:
+def dependency_mismatches(dependencies: list[Dependency], *, hash_files: bool) -> list[tuple[str, str, str]]:
+    """Host files the tree depends on that are missing or changed.
+
+    Sizes are always compared; contents (sha256, recorded for model files) only when
+    ``hash_files``: `vsnap validate IMAGE` does, restore does not (the oracle, re-run on the
+    reloaded weights, catches changed weights without reading them twice).
+    """
     from ._image import sha256_file
 
     mismatches = []
@@ -115,12 +160,12 @@ def dependency_mismatches(dependencies: list[Dependency]) -> list[tuple[str, str
             continue
         if size != dep.size:
             mismatches.append((f"file {dep.path}", f"{dep.size} bytes", f"{size} bytes"))
-        elif dep.sha256 is not None and sha256_file(path) != dep.sha256:
+        elif hash_files and dep.sha256 is not None and sha256_file(path) != dep.sha256:
             mismatches.append((f"file {dep.path}", f"sha256 {dep.sha256[:12]}", "different content"))
     return mismatches
 
 
-def host_mismatches(manifest: Manifest) -> list[tuple[str, str, str]]:
+def host_mismatches(manifest: Manifest, *, hash_files: bool = False) -> list[tuple[str, str, str]]:
     """Facts the image depends on that differ on this host (fact, recorded, current)."""
     recorded = manifest.host
     current = {
@@ -131,7 +176,16 @@ def host_mismatches(manifest: Manifest) -> list[tuple[str, str, str]]:
     }
     mismatches = [(fact, str(getattr(recorded, fact)), str(now)) for fact, now in current.items()
                   if getattr(recorded, fact) != now]
-    return mismatches + dependency_mismatches(manifest.dependencies)
+    if manifest.engine == "vllm":
+        from ._cuda import gpu_facts
+
+        driver, cuda, gpus = gpu_facts()
+        if recorded.driver != driver:
+            mismatches.append(("NVIDIA driver", str(recorded.driver), str(driver)))
+        want = recorded.gpus[0]["name"] if recorded.gpus else None
+        if want not in {g["name"] for g in gpus}:
+            mismatches.append(("GPU model", str(want), ", ".join(g["name"] for g in gpus) or "none"))
+    return mismatches + dependency_mismatches(manifest.dependencies, hash_files=hash_files)
 
 
 def require_host_matches(manifest: Manifest) -> None:

@@ -48,6 +48,7 @@ class HostFacts(_Frozen):
     vllm: str | None = None
     vsnap: str
     driver: str | None = None
+    cuda: str | None = None
     gpus: list[dict[str, Any]] = Field(default_factory=list)
 
 
@@ -63,6 +64,7 @@ class Manifest(_Frozen):
     host: HostFacts
     externals: dict[str, str]          # CRIU mount key -> mount point
     shm_files: list[str] = Field(default_factory=list)  # link-remap files to put back in /dev/shm
+    cuda_processes: int = 0            # processes whose CUDA state was checkpointed
     dependencies: list[Dependency] = Field(default_factory=list)
     timings: dict[str, float] = Field(default_factory=dict)
     sizes: dict[str, int] = Field(default_factory=dict)

@@ -24,7 +24,7 @@ from ._events import ProgressCallback, Timings
 from ._host import check_criu, check_root, require_host_matches
 from ._image import verify_files
 from ._manifest import CRIU_DIR, ENGINE_LOG, SHM_DIR, Manifest, read_manifest
-from ._proctree import alive, become_subreaper, kill_tree, reap
+from ._proctree import alive, become_subreaper, kill_tree, reap, tree_pids
 from ._shm import SHM, put_back
 
 RESTORE_LOG = "restore.log"
@@ -148,6 +148,16 @@ def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000,
             pid = CriuRunner.locate().restore(RestoreOptions(
                 images_dir=image_dir / CRIU_DIR, work_dir=control_dir, log_file=restore_log, pidfile=control_dir / RESTORE_PID,
                 externals=manifest.externals))
+        if manifest.cuda_processes:
+            from ._cuda import CudaCheckpoint
+
+            with timings.phase("cuda restore"):
+                cuda = CudaCheckpoint()
+                cuda_pids = cuda.cuda_pids(tree_pids(pid))
+                if len(cuda_pids) != manifest.cuda_processes:
+                    raise ProcessTreeError(pid, f"{len(cuda_pids)} CUDA processes after restore, "
+                                                f"{manifest.cuda_processes} at capture", phase="cuda restore")
+                cuda.restore(cuda_pids)
         with timings.phase("recover"):
             control.write_message(control_dir, control.ACTIVATION, Activation(host=host, port=port))
             validated = _wait_status(control_dir, pid, ("validated", "serving"), "recover", engine_log)

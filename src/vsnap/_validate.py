@@ -51,6 +51,10 @@ def _validate_spec(path: Path) -> ValidationReport:
         return report
     report.checks.append(Check("spec", True, f"{spec.name}: engine {spec.engine}, image {spec.image_dir}"))
     report.checks.extend(preflight(spec.engine))
+    if spec.engine == "vllm":
+        from ._vllm_check import require_supported_args
+
+        report.checks.append(_check("vllm arguments", lambda: require_supported_args(spec, str(path))))
     report.checks.append(_check("image directory", lambda: (check_parent(spec.image_dir), f"{spec.image_dir.parent} is private")[1]))
     return report
 
@@ -68,7 +72,7 @@ def _validate_image(image_dir: Path) -> ValidationReport:
                                                         f"{len(manifest.files)} files match their sha256")[1]))
 
     def host_fit() -> str:
-        mismatches = host_mismatches(manifest)
+        mismatches = host_mismatches(manifest, hash_files=True)
         if mismatches:
             raise ImageHostMismatch(mismatches)
         return f"python {manifest.host.python}, torch {manifest.host.torch}, {len(manifest.dependencies)} files unchanged"

@@ -46,6 +46,6 @@ def make_adapter(launch: LaunchConfig) -> EngineAdapter:
         from .cpu import CpuAdapter
 
         return CpuAdapter(launch)
-    from ..._errors import EngineError
+    from .vllm import VllmAdapter
 
-    raise EngineError("build engine", "NotSupported", "engine 'vllm' is not implemented in this vsnap yet")
+    return VllmAdapter(launch)

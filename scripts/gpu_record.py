@@ -1,0 +1,68 @@
+"""Compose the record of a gpu-e2e.sh run (OUT/record.json) and print a short table."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import sys
+from pathlib import Path
+
+from vsnap import read_manifest
+
+
+def load(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def main() -> None:
+    out, image, shape = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+    manifest = read_manifest(image)
+    capture = load(out / "capture.json")
+    restores = [load(out / f"restore{n}.json") for n in (1, 2)]
+    checks = [load(out / f"check{n}.json") for n in (1, 2)]
+    walls = []
+    for n in (1, 2):
+        try:
+            t0, t1 = map(float, (out / f"wall{n}.txt").read_text().split())
+            walls.append(t1 - t0)
+        except (OSError, ValueError):
+            walls.append(None)
+    h = manifest.host
+    record = {
+        "date": dt.date.today().isoformat(),
+        "command": f"SHAPE={shape} bash scripts/gpu-e2e.sh",
+        "model": f"random-weight Llama, {shape} shape",
+        "gpu": h.gpus[0]["name"] if h.gpus else None,
+        "driver": h.driver, "cuda": h.cuda, "kernel": h.kernel, "criu": h.criu, "python": h.python,
+        "torch": h.torch, "vllm": h.vllm,
+        "capture_s": sum(capture.get("timings", {}).values()),
+        "capture_phases": capture.get("timings"),
+        "image_bytes": manifest.sizes.get("image_bytes"),
+        "cuda_processes": manifest.cuda_processes,
+        "restores": [{"phases": r.get("timings"), "total_s": r.get("total_s"), "engine": r.get("recovery"),
+                      "restore_plus_oracle_over_http_s": w, "oracle_over_http": {k: c.get(k) for k in
+                      ("ok", "max_abs_logprob_diff", "first_request_s", "tolerance")}}
+                     for r, c, w in zip(restores, checks, walls)],
+        "oracle_ok": all(c.get("ok") for c in checks),
+    }
+    (out / "record.json").write_text(json.dumps(record, indent=2) + "\n")
+    print(f"\n{'':-<60}\nvsnap GPU e2e  {record['gpu']}  driver {h.driver}  vllm {h.vllm}  torch {h.torch}")
+    print(f"{'capture (total)':<36}{record['capture_s']:9.2f} s")
+    for k, v in (capture.get("timings") or {}).items():
+        print(f"  {k:<34}{v:9.2f} s")
+    print(f"{'image':<36}{(record['image_bytes'] or 0) / 1e9:9.2f} GB")
+    for n, (r, c, w) in enumerate(zip(restores, checks, walls), 1):
+        print(f"{f'restore #{n} (vsnap restore total)':<36}{(r.get('total_s') or 0):9.2f} s")
+        for k, v in (r.get("timings") or {}).items():
+            print(f"  {k:<34}{v:9.2f} s")
+        print(f"  {'oracle over HTTP':<34}{'ok' if c.get('ok') else 'MISMATCH':>9}  max |dlogprob| {c.get('max_abs_logprob_diff')}")
+        if w:
+            print(f"  {'restore + all oracle requests':<34}{w:9.2f} s")
+    print(f"{'':-<60}\nrecord: {out / 'record.json'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,5 @@
+"""``python -m vsnap``: the CLI, for hosts where the console script is not installed."""
+
+from .cli import main
+
+main()

@@ -1,0 +1,133 @@
+"""CUDA checkpoint through the driver API (cuda-bindings): lock, checkpoint, restore, unlock.
+
+Moves every process of the tree that holds a CUDA context (in vLLM 0.26 both the API server
+and EngineCore) between the GPU and host memory, so that CRIU sees plain processes. It reads
+each process's state first, remembers what it moved, and undoes a half-done step on failure.
+No cuda-checkpoint binary is needed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._errors import CheckpointError, HostNotReady
+
+LOCK_TIMEOUT_MS = 10_000
+INSTALL_HINT = "install cuda-bindings (pip install 'vsnap[vllm]') and an NVIDIA driver >= 550 (checkpoint API)"
+
+
+class CudaCheckpointError(CheckpointError):
+    def __init__(self, pid: int, call: str, result: str) -> None:
+        super().__init__(f"{call} failed for pid {pid}: {result}", phase="cuda checkpoint",
+                         hint="the process may hold a CUDA state the driver cannot checkpoint; see the engine log")
+        self.pid, self.call, self.result = pid, call, result
+
+
+def _driver() -> Any:
+    try:
+        from cuda.bindings import driver
+    except ImportError:
+        raise HostNotReady("cuda", "cuda-bindings is not installed", hint=INSTALL_HINT) from None
+    (err,) = driver.cuInit(0)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise HostNotReady("cuda", f"cuInit failed: {err.name}", hint="is an NVIDIA GPU and driver present?")
+    if not hasattr(driver, "cuCheckpointProcessCheckpoint"):
+        raise HostNotReady("cuda", "this cuda-bindings has no checkpoint API", hint=INSTALL_HINT)
+    return driver
+
+
+@dataclass
+class CudaCheckpoint:
+    """Checkpoint and restore the CUDA state of a set of processes (host PIDs)."""
+
+    driver: Any = field(default_factory=_driver)
+
+    def _call(self, pid: int, name: str, *args: Any) -> Any:
+        result = getattr(self.driver, name)(pid, *args)
+        err = result[0] if isinstance(result, tuple) else result
+        if err != self.driver.CUresult.CUDA_SUCCESS:
+            raise CudaCheckpointError(pid, name, getattr(err, "name", str(err)))
+        return result[1] if isinstance(result, tuple) and len(result) > 1 else None
+
+    def state(self, pid: int) -> str | None:
+        """'running', 'locked', 'checkpointed', ... or None if the process has no CUDA context."""
+        result = self.driver.cuCheckpointProcessGetState(pid)
+        if result[0] != self.driver.CUresult.CUDA_SUCCESS:
+            return None
+        return str(result[1].name).removeprefix("CU_PROCESS_STATE_").lower()
+
+    def cuda_pids(self, pids: list[int]) -> list[int]:
+        return [pid for pid in pids if self.state(pid) is not None]
+
+    def checkpoint(self, pids: list[int]) -> None:
+        """Lock every process, then checkpoint each; on failure restore and unlock what was done."""
+        locked: list[int] = []
+        checkpointed: list[int] = []
+        try:
+            lock_args = self.driver.CUcheckpointLockArgs()
+            lock_args.timeoutMs = LOCK_TIMEOUT_MS
+            for pid in pids:
+                self._call(pid, "cuCheckpointProcessLock", lock_args)
+                locked.append(pid)
+            for pid in pids:
+                self._call(pid, "cuCheckpointProcessCheckpoint", None)
+                checkpointed.append(pid)
+        except BaseException:
+            for pid in checkpointed:
+                self.driver.cuCheckpointProcessRestore(pid, None)
+            for pid in locked:
+                self.driver.cuCheckpointProcessUnlock(pid, None)
+            raise
+
+    def restore(self, pids: list[int]) -> None:
+        """Restore device memory of every checkpointed process, then unlock them all."""
+        for pid in pids:
+            if self.state(pid) == "checkpointed":
+                self._call(pid, "cuCheckpointProcessRestore", None)
+        for pid in pids:
+            if self.state(pid) == "locked":
+                self._call(pid, "cuCheckpointProcessUnlock", None)
+
+
+def _format_uuid(uuid: Any) -> str:
+    """GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx, as nvidia-smi prints it."""
+    raw = getattr(uuid, "bytes", b"")
+    if isinstance(raw, str):
+        raw = raw.encode("latin-1")
+    hexed = bytes(raw).hex()
+    if len(hexed) != 32:
+        return "unknown"
+    return "GPU-" + "-".join(hexed[a:b] for a, b in ((0, 8), (8, 12), (12, 16), (16, 20), (20, 32)))
+
+
+def nvidia_driver_version() -> str | None:
+    """The kernel module's version (for example 580.95.05), from /proc/driver/nvidia/version."""
+    try:
+        text = open("/proc/driver/nvidia/version").read()
+    except OSError:
+        return None
+    import re
+
+    match = re.search(r"Kernel Module\s+(?:for \S+\s+)?([0-9][0-9.]+)", text)
+    return match.group(1) if match else None
+
+
+def gpu_facts() -> tuple[str | None, str, list[dict[str, Any]]]:
+    """NVIDIA driver version, CUDA driver API version and the visible GPUs (name, UUID, memory)."""
+    driver = _driver()
+    _, version = driver.cuDriverGetVersion()
+    _, count = driver.cuDeviceGetCount()
+    gpus = []
+    for index in range(count):
+        _, device = driver.cuDeviceGet(index)
+        _, name = driver.cuDeviceGetName(64, device)
+        _, uuid = driver.cuDeviceGetUuid(device)
+        _, memory = driver.cuDeviceTotalMem(device)
+        gpus.append({
+            "index": index,
+            "name": name.split(b"\0", 1)[0].decode() if isinstance(name, bytes) else str(name),
+            "uuid": _format_uuid(uuid),
+            "memory_bytes": int(memory),
+        })
+    return nvidia_driver_version(), f"{version // 1000}.{(version % 1000) // 10}", gpus

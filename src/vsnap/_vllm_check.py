@@ -1,0 +1,35 @@
+"""The vLLM argument and model rules, run from the orchestrator (validate, capture preflight).
+
+Imports vLLM (slow, seconds), so only for `engine: vllm` specs.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ._errors import HostNotReady, SpecError, SpecIssue
+from ._spec import ModelSpec
+
+
+def _issues(source: str, refusals: list) -> SpecError:
+    return SpecError([SpecIssue(source, None, None, r.argument if r.argument.startswith("serve")
+                                else f"serve.{r.argument}", r.reason) for r in refusals],
+                     hint="vsnap captures one local GPU rank of a dense model; docs/model-yaml.md")
+
+
+def require_supported_args(spec: ModelSpec, source: str = "model.yaml") -> str:
+    """Parse the spec's serve arguments with vLLM's parser and apply the argument rules."""
+    try:
+        from .engine.adapters import vllm_rules
+    except ImportError as exc:  # pragma: no cover - the module itself has no hard imports
+        raise HostNotReady("engine", f"cannot load the vLLM rules: {exc}") from None
+    try:
+        args, refusals = vllm_rules.parse_serve_args(str(spec.model), dict(spec.serve))
+    except ImportError as exc:
+        raise HostNotReady("engine", f"vLLM cannot be imported: {exc}", hint="pip install 'vsnap[vllm]'") from None
+    if args is None or refusals:
+        raise _issues(source, refusals)
+    refusals = vllm_rules.argument_refusals(args, environ={**os.environ, "VLLM_WORKER_MULTIPROC_METHOD": "spawn"})
+    if refusals:
+        raise _issues(source, refusals)
+    return f"{len(spec.serve)} serve arguments accepted by vLLM's parser and the snapshot rules"

@@ -1,0 +1,122 @@
+"""Real vLLM (AsyncLLM + its OpenAI app) on one CUDA GPU, with sleep mode and weight reload.
+
+prepare(): oracle, a sleep/wake rehearsal (so a restore never runs a path that was never run),
+then sleep level 2 (weights and KV cache released: little GPU memory left to checkpoint).
+recover(): wake the weights, reload them from the model's safetensors, wake the KV cache.
+serve(): vLLM's own OpenAI app on the socket bound after activation.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+import uuid
+from typing import Any
+
+from ..._errors import EngineError
+from ..._oracle import Oracle, OracleSample, compare_oracles
+from . import vllm_rules
+from .base import EngineAdapter
+
+
+def _refuse(phase: str, refusals: list[vllm_rules.Refusal]) -> EngineError:
+    return EngineError(phase, "UnsupportedConfiguration", "; ".join(map(str, refusals)),
+                       hint="vsnap validate SPEC names each refused argument")
+
+
+class VllmAdapter(EngineAdapter):
+    def __init__(self, launch: Any) -> None:
+        super().__init__(launch)
+        self.engine: Any = None
+        self.args: Any = None
+
+    async def build(self) -> None:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.entrypoints.openai.cli_args import validate_parsed_serve_args
+        from vllm.platforms import current_platform
+        from vllm.usage.usage_lib import UsageContext
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        # import the serving stack now, so that it is in the image and not paid for at restore
+        from vllm.entrypoints.openai import api_server  # noqa: F401
+
+        args, refusals = vllm_rules.parse_serve_args(self.launch.model, self.launch.serve_args)
+        if args is None:
+            raise _refuse("build engine", refusals)
+        refusals = vllm_rules.argument_refusals(args)
+        if refusals:
+            raise _refuse("build engine", refusals)
+        validate_parsed_serve_args(args)
+        args.served_model_name = [self.launch.served_model_name]
+        self.args = args
+        engine_args = AsyncEngineArgs.from_cli_args(args)
+        config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+        refusals = vllm_rules.config_refusals(config, is_cuda=current_platform.is_cuda())
+        if refusals:
+            raise _refuse("build engine", refusals)
+        self.engine = AsyncLLM.from_vllm_config(
+            vllm_config=config,
+            usage_context=UsageContext.OPENAI_API_SERVER,
+            enable_log_requests=engine_args.enable_log_requests,
+            disable_log_stats=engine_args.disable_log_stats,
+        )
+
+    async def run_oracle(self) -> Oracle:
+        from vllm import SamplingParams
+
+        samples = []
+        for index, prompt in enumerate(self.launch.oracle_prompts):
+            params = SamplingParams(temperature=0.0, max_tokens=self.launch.oracle_max_tokens,
+                                    min_tokens=self.launch.oracle_max_tokens, ignore_eos=True, seed=0,
+                                    logprobs=self.launch.oracle_top_k)
+            final = None
+            async for output in self.engine.generate(prompt, params, request_id=f"vsnap-oracle-{index}-{uuid.uuid4().hex}"):
+                final = output
+            if final is None:
+                raise EngineError("oracle", "NoOutput", f"no output for oracle prompt {index}")
+            completion = final.outputs[0]
+            logprobs = [{str(token): float(lp.logprob) for token, lp in position.items()}
+                        for position in (completion.logprobs or [])]
+            samples.append(OracleSample(prompt=prompt, token_ids=list(completion.token_ids), logprobs=logprobs,
+                                        text=completion.text))
+        return Oracle(samples=samples)
+
+    async def _sleep(self) -> None:
+        await self.engine.sleep(level=2)
+
+    async def recover(self) -> dict[str, Any]:
+        times: dict[str, Any] = {}
+        start = time.monotonic()
+        await self.engine.wake_up(tags=["weights"])
+        times["wake_weights_s"] = time.monotonic() - start
+        start = time.monotonic()
+        await self.engine.collective_rpc("reload_weights")
+        times["reload_weights_s"] = time.monotonic() - start
+        start = time.monotonic()
+        await self.engine.wake_up(tags=["kv_cache"])
+        times["wake_kv_cache_s"] = time.monotonic() - start
+        return times
+
+    async def prepare(self) -> Oracle:
+        oracle = await self.run_oracle()
+        # Rehearse the exact recovery path once before the capture: a restore must not be the
+        # first time sleep level 2, weight reload and wake run in this process.
+        await self._sleep()
+        await self.recover()
+        rehearsal = await self.run_oracle()
+        compare_oracles(oracle, rehearsal, self.launch.oracle_tolerance)
+        await self._sleep()
+        return oracle
+
+    async def serve(self, sock: socket.socket) -> None:
+        from vllm.entrypoints.openai.api_server import build_and_serve
+
+        host, port = sock.getsockname()[:2]
+        self.args.host, self.args.port = host, port
+        shutdown = await build_and_serve(self.engine, f"http://{host}:{port}", sock, self.args)
+        await shutdown
+
+    async def shutdown(self) -> None:
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            engine.shutdown()

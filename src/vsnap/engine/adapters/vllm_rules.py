@@ -1,0 +1,213 @@
+"""Which vLLM configurations vsnap can capture, checked with vLLM's own parser and config.
+
+Two stages, as in vLLM's startup-snapshot reference:
+
+* argument rules, on the parsed serve arguments, before anything starts: one Python HTTP
+  frontend, one local rank, no external load balancing or expert parallelism, a local
+  executor, logprobs that can be compared, Linux x86_64, spawned workers;
+* model rules, on the resolved VllmConfig, before workers are built: CUDA, a dense
+  unquantized generation model, no KV/EC transfer, speculation or LoRA, weights that can be
+  reloaded from safetensors, no CPU offload, sleep mode on.
+
+Every refusal is a ``Refusal(argument, reason)``; callers turn them into SpecError (at
+validate/capture time) or an engine error (inside the tree). vllm is imported lazily.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Refusal:
+    argument: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.argument}: {self.reason}"
+
+
+SINGLE_RANK_SIZES = (
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "data_parallel_size",
+    "prefill_context_parallel_size",
+    "decode_context_parallel_size",
+    "nnodes",
+)
+LOAD_BALANCING_FLAGS = (
+    "data_parallel_external_lb",
+    "data_parallel_hybrid_lb",
+    "data_parallel_multi_port_external_lb",
+    "enable_expert_parallel",
+    "enable_elastic_ep",
+)
+# set by vsnap itself: a spec must not try to
+RESERVED = ("model", "model_tag", "host", "port", "enable_sleep_mode", "config")
+
+
+def ensure_platform() -> None:
+    """On a host without a GPU, parse with vLLM's CPU platform: argument parsing needs a device
+    type, and the argument rules do not depend on it (`vsnap validate` runs anywhere)."""
+    import vllm.platforms as platforms
+
+    if not platforms.current_platform.device_type:
+        from vllm.platforms.cpu import CpuPlatform
+
+        platforms._current_platform = CpuPlatform()
+
+
+def make_parser() -> argparse.ArgumentParser:
+    ensure_platform()  # before vLLM modules bind current_platform at import
+    from vllm.entrypoints.openai.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    return make_arg_parser(FlexibleArgumentParser(prog="vsnap"))
+
+
+def serve_argv(parser: argparse.ArgumentParser, serve: dict[str, Any]) -> tuple[list[str], list[Refusal]]:
+    """Turn the spec's ``serve:`` mapping into vLLM command-line arguments."""
+    actions = {action.dest: action for action in parser._actions}
+    argv: list[str] = []
+    refusals: list[Refusal] = []
+    for key, value in serve.items():
+        dest = key.replace("-", "_")
+        if dest in RESERVED:
+            refusals.append(Refusal(f"serve.{key}", "is set by vsnap (model:, restore --host/--port, sleep mode)"))
+            continue
+        action = actions.get(dest)
+        if action is None or not action.option_strings:
+            refusals.append(Refusal(f"serve.{key}", "is not a vLLM serve argument"))
+            continue
+        flag = next((s for s in action.option_strings if s.startswith("--")), action.option_strings[0])
+        if isinstance(value, bool):
+            if isinstance(action, argparse.BooleanOptionalAction):
+                argv.append(flag if value else "--no-" + flag[2:])
+            elif action.nargs == 0:
+                if value:
+                    argv.append(flag)
+            else:
+                argv += [flag, "true" if value else "false"]
+        elif isinstance(value, (dict,)):
+            argv += [flag, json.dumps(value)]
+        elif isinstance(value, list):
+            argv += [flag, *(json.dumps(v) if isinstance(v, (dict, list)) else str(v) for v in value)]
+        elif value is None:
+            continue
+        else:
+            argv += [flag, str(value)]
+    return argv, refusals
+
+
+def parse_serve_args(model: str, serve: dict[str, Any]) -> tuple[argparse.Namespace | None, list[Refusal]]:
+    """Parse with vLLM's own parser; a parse error becomes a refusal naming the argument."""
+    parser = make_parser()
+    argv, refusals = serve_argv(parser, serve)
+    if refusals:
+        return None, refusals
+
+    class _Raise(Exception):
+        pass
+
+    def error(message: str) -> None:
+        raise _Raise(message)
+
+    parser.error = error  # type: ignore[method-assign]
+    try:
+        args = parser.parse_args(["--model", model, *argv])
+    except _Raise as exc:
+        return None, [Refusal("serve", f"vLLM refuses the arguments: {exc}")]
+    except SystemExit:
+        return None, [Refusal("serve", "vLLM refuses the arguments")]
+    args.enable_sleep_mode = True
+    return args, []
+
+
+def argument_refusals(args: argparse.Namespace, environ: dict[str, str] | None = None) -> list[Refusal]:
+    """The reference's dispatch rules on parsed serve arguments."""
+    env = os.environ if environ is None else environ
+    refusals: list[Refusal] = []
+
+    def refuse(argument: str, reason: str) -> None:
+        refusals.append(Refusal(argument, reason))
+
+    if getattr(args, "headless", False):
+        refuse("headless", "snapshots need the one Python HTTP frontend")
+    if getattr(args, "grpc", False):
+        refuse("grpc", "snapshots need the one Python HTTP frontend")
+    if getattr(args, "api_server_count", None) not in (None, 1):
+        refuse("api_server_count", "snapshots need exactly one API server process")
+    if getattr(args, "uds", None):
+        refuse("uds", "snapshots serve on host:port given at restore")
+    if env.get("VLLM_USE_RUST_FRONTEND", "0") not in ("", "0"):
+        refuse("VLLM_USE_RUST_FRONTEND", "snapshots need the Python HTTP frontend")
+    for name in SINGLE_RANK_SIZES:
+        if getattr(args, name, 1) not in (None, 1):
+            refuse(name, f"snapshots need {name}=1 (one GPU, one rank)")
+    if getattr(args, "data_parallel_size_local", None) not in (None, 1):
+        refuse("data_parallel_size_local", "snapshots need local single-rank execution")
+    if getattr(args, "node_rank", 0) not in (None, 0):
+        refuse("node_rank", "snapshots need local single-rank execution")
+    if getattr(args, "data_parallel_backend", "mp") not in (None, "mp"):
+        refuse("data_parallel_backend", "snapshots need the mp backend")
+    for name in LOAD_BALANCING_FLAGS:
+        if getattr(args, name, None):
+            refuse(name, "snapshots need local single-rank execution")
+    for name in ("data_parallel_rank", "data_parallel_start_rank"):
+        if getattr(args, name, None) is not None:
+            refuse(name, "snapshots need local single-rank execution")
+    if getattr(args, "distributed_executor_backend", None) not in (None, "mp", "uni"):
+        refuse("distributed_executor_backend", "snapshots need a local executor (mp or uni)")
+    if getattr(args, "logprobs_mode", None) in ("raw_logits", "processed_logits"):
+        refuse("logprobs_mode", "the oracle compares log probabilities, not logits")
+    if platform.system() != "Linux" or platform.machine() != "x86_64":
+        refuse("platform", f"snapshots need Linux x86_64, not {platform.system()} {platform.machine()}")
+    if env.get("VLLM_WORKER_MULTIPROC_METHOD", "spawn") != "spawn":
+        refuse("VLLM_WORKER_MULTIPROC_METHOD", "snapshots need spawned workers")
+    return refusals
+
+
+def config_refusals(config: Any, *, is_cuda: bool) -> list[Refusal]:
+    """The reference's model rules on a resolved VllmConfig."""
+    refusals: list[Refusal] = []
+
+    def refuse(argument: str, reason: str) -> None:
+        refusals.append(Refusal(argument, reason))
+
+    model = config.model_config
+    parallel = config.parallel_config
+    if not is_cuda:
+        refuse("device", "snapshots need a CUDA GPU (the CUDA checkpoint API)")
+    if model.runner_type != "generate":
+        refuse("runner", f"snapshots need a generation model, not {model.runner_type!r}")
+    if model.is_multimodal_model:
+        refuse("model", "multimodal models are not supported")
+    if model.is_moe:
+        refuse("model", "mixture-of-experts models are not supported")
+    if model.is_hybrid:
+        refuse("model", "hybrid (attention + state-space) models are not supported")
+    if model.quantization is not None:
+        refuse("quantization", f"quantized models ({model.quantization}) are not supported")
+    if (parallel.world_size != 1 or parallel.data_parallel_size != 1 or parallel.data_parallel_size_local != 1
+            or parallel.data_parallel_rank != 0 or parallel.nnodes != 1 or parallel.node_rank != 0
+            or parallel.data_parallel_backend != "mp" or parallel._api_process_count != 1
+            or parallel.distributed_executor_backend not in ("uni", "mp")):
+        refuse("parallel", "snapshots need local single-rank execution")
+    for name in ("kv_transfer_config", "ec_transfer_config", "speculative_config", "lora_config"):
+        if getattr(config, name, None) is not None:
+            refuse(name, "KV/EC transfer, speculative decoding and LoRA are not supported")
+    if config.load_config.load_format not in ("auto", "safetensors"):
+        refuse("load_format", "weights are reloaded from safetensors after restore: use auto or safetensors")
+    offload = config.offload_config
+    if offload.uva.cpu_offload_gb:
+        refuse("cpu_offload_gb", "CPU offload is not supported")
+    if offload.prefetch.offload_group_size:
+        refuse("offload_group_size", "CPU offload is not supported")
+    if not model.enable_sleep_mode:
+        refuse("enable_sleep_mode", "snapshots need sleep mode")
+    return refusals
