@@ -33,6 +33,7 @@ def main() -> int:
     parser.add_argument("image", type=Path)
     parser.add_argument("url")
     parser.add_argument("--tolerance", type=float)
+    parser.add_argument("--summary", action="store_true", help="one line for people instead of JSON")
     args = parser.parse_args()
     manifest = read_manifest(args.image)
     tolerance = manifest.launch.oracle_tolerance if args.tolerance is None else args.tolerance
@@ -53,9 +54,13 @@ def main() -> int:
         results.append({"prompt": sample.prompt, "ok": sample_ok, "token_ids_equal": same_ids,
                         "max_abs_logprob_diff": max(diffs, default=0.0), "seconds": time.monotonic() - sent,
                         "text": choice["text"]})
-    print(json.dumps({"ok": ok, "tolerance": tolerance, "max_abs_logprob_diff": worst,
-                      "first_request_s": results[0]["seconds"], "all_requests_s": time.monotonic() - start,
-                      "samples": results}, indent=2))
+    if args.summary:
+        print(f"{len(results)} oracle prompts over HTTP: token ids and logprobs equal to the oracle recorded "
+              f"before the checkpoint: {'yes' if ok else 'NO'} (max |logprob difference| {worst})")
+    else:
+        print(json.dumps({"ok": ok, "tolerance": tolerance, "max_abs_logprob_diff": worst,
+                          "first_request_s": results[0]["seconds"], "all_requests_s": time.monotonic() - start,
+                          "samples": results}, indent=2))
     return 0 if ok else 1
 
 
