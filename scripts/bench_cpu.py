@@ -38,6 +38,7 @@ def first_token(url: str) -> None:
 def cold_start(spec: ModelSpec, work: Path) -> float:
     control_dir = control.ensure_private_dir(work / f"cold-{time.monotonic_ns()}")
     control.write_message(control_dir, control.LAUNCH, launch_config(spec, resolve_model(spec)))
+    heartbeat = control.OwnerHeartbeat(control_dir).start()
     start = time.monotonic()
     tree = launch_tree(control_dir, tree_environment(control_dir), control_dir / control.ENGINE_LOG)
     try:
@@ -47,6 +48,7 @@ def cold_start(spec: ModelSpec, work: Path) -> float:
         first_token(f"http://127.0.0.1:{status.detail['port']}")
         return time.monotonic() - start
     finally:
+        heartbeat.stop()
         kill_tree(tree.root_pid)
         tree.unshare.wait()
 
@@ -71,7 +73,7 @@ def main() -> None:
         first_token(server.url)
         restores.append(time.monotonic() - start)
         phases.append({**server.timings, **{f"engine {k}": v for k, v in server.recovery.items() if k.endswith("_s")}})
-        stop_server(server.pid)
+        stop_server(server)
     facts = host_facts("cpu")
     record = {
         "date": dt.date.today().isoformat(),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import shutil
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from . import _control as control
 from ._control import ErrorReport, LaunchConfig, Ready
 from ._criu import CriuRunner
 from ._criu_options import DumpOptions, external_mounts
-from ._errors import EngineError, ImageError
+from ._errors import CheckpointError, CriuError, EngineError, ImageError
 from ._events import ProgressCallback, Timings
 from ._host import host_facts, require_host
 from ._image import check_parent, checksum_tree, image_lock, make_staging, publish, remove_stale_staging, sha256_file
@@ -121,6 +122,51 @@ def _dependencies(pids: list[int], model_dir: Path, control_dir: Path) -> list[D
     return deps
 
 
+def anonymous_bytes(pids: list[int]) -> int:
+    """The tree's anonymous memory: about what CRIU writes into pages-*.img."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith("Anonymous:"):
+                        total += int(line.split()[1]) * 1024
+        except OSError:
+            continue
+    return total
+
+
+def free_bytes(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def require_space(staging: Path, pids: list[int]) -> None:
+    """Refuse before dumping when the image cannot fit on its disk."""
+    need, free = anonymous_bytes(pids), free_bytes(staging)
+    if need > free:
+        raise CheckpointError(
+            f"not enough space for the image on the disk holding {staging.parent}: "
+            f"about {need / 1e6:.0f} MB needed, {free / 1e6:.0f} MB free",
+            phase="criu dump", hint="free space there, or capture with --image on another disk")
+
+
+def dump_failure(error: CriuError, staging: Path, control_dir: Path) -> CheckpointError:
+    """Keep the dump log outside the staging directory (which is removed) and name a full disk."""
+    kept = control_dir / "dump-failed.log"
+    try:
+        shutil.copyfile(staging / DUMP_LOG, kept)
+        error.log_path = str(kept)
+    except OSError:
+        pass
+    if free_bytes(staging) < 16 << 20:
+        return CheckpointError(f"the disk holding {staging.parent} filled up while CRIU wrote the image "
+                               f"({free_bytes(staging) / 1e6:.0f} MB free)", phase="criu dump",
+                               hint="free space there, or capture with --image on another disk",
+                               log_path=error.log_path)
+    return error
+
+
 def capture_image(spec: ModelSpec, *, image_dir: Path | None = None, force: bool = False,
                   on_event: ProgressCallback | None = None) -> CaptureResult:
     """Boot ``spec``'s engine, checkpoint it at the barrier and publish the image."""
@@ -135,13 +181,14 @@ def capture_image(spec: ModelSpec, *, image_dir: Path | None = None, force: bool
             from ._vllm_check import require_supported_args
 
             require_supported_args(spec)
-    with image_lock(image_dir):
+    with image_lock(image_dir), ExitStack() as stack:
         if image_dir.exists() and not force:
             raise ImageError(f"{image_dir} already exists", hint="pass --force to replace it once the new one is complete")
         remove_stale_staging(image_dir)
         with timings.phase("prepare model"):
             model_dir = resolve_model(spec)
         control.ensure_private_dir(control_dir)
+        stack.enter_context(control.control_lock(control_dir))
         control.remove_control_files(control_dir, (*control.CONTROL_FILES, control.LAUNCH, control.ENGINE_LOG))
         launch = launch_config(spec, model_dir)
         control.write_message(control_dir, control.LAUNCH, launch)
@@ -149,6 +196,7 @@ def capture_image(spec: ModelSpec, *, image_dir: Path | None = None, force: bool
         staging = make_staging(image_dir)
         shm_before = set(link_remap_files())
         tree: LaunchedTree | None = None
+        heartbeat = control.OwnerHeartbeat(control_dir).start()
         try:
             with timings.phase("launch"):
                 tree = launch_tree(control_dir, tree_environment(control_dir, spec.engine), engine_log)
@@ -170,8 +218,12 @@ def capture_image(spec: ModelSpec, *, image_dir: Path | None = None, force: bool
                     cuda_pids = cuda.cuda_pids(pids)
                     cuda.checkpoint(cuda_pids)
             with timings.phase("criu dump"):
-                runner.dump(DumpOptions(pid=tree.root_pid, images_dir=staging / CRIU_DIR,
-                                        log_file=staging / DUMP_LOG, externals=externals))
+                require_space(staging, pids)
+                try:
+                    runner.dump(DumpOptions(pid=tree.root_pid, images_dir=staging / CRIU_DIR,
+                                            log_file=staging / DUMP_LOG, externals=externals))
+                except CriuError as error:
+                    raise dump_failure(error, staging, control_dir) from None
                 left = wait_gone(pids, 30)
                 if left:
                     raise ImageError(f"processes {left} of the tree survived the dump")
@@ -200,6 +252,7 @@ def capture_image(spec: ModelSpec, *, image_dir: Path | None = None, force: bool
                 control.write_atomic(staging, MANIFEST, manifest.model_dump_json(indent=2).encode())
                 publish(staging, image_dir)
         except BaseException:
+            heartbeat.stop()
             if tree is not None:
                 kill_tree(tree.root_pid)
                 if tree.unshare.poll() is None:
@@ -209,6 +262,7 @@ def capture_image(spec: ModelSpec, *, image_dir: Path | None = None, force: bool
             for name in set(link_remap_files()) - shm_before:
                 (SHM / name).unlink(missing_ok=True)
             raise
+        heartbeat.stop()
     return CaptureResult(image_dir, manifest, dict(timings.seconds), image_bytes, image_dir / ENGINE_LOG)
 
 

@@ -16,16 +16,19 @@ A leaf: imports pydantic, _errors and _oracle only (the engine tree imports it).
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import stat
+import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Literal, TypeVar
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ._errors import ControlProtocolError, PhaseTimeout
+from ._errors import ControlProtocolError, PhaseTimeout, ProcessTreeError
 from ._oracle import Oracle
 
 LAUNCH = "launch.json"
@@ -33,8 +36,15 @@ READY = "ready.json"
 ACTIVATION = "activation.json"
 STATUS = "status.json"
 ERROR = "error.json"
+OWNER = "owner.json"
 ENGINE_LOG = "engine.log"
-CONTROL_FILES = (READY, ACTIVATION, STATUS, ERROR)
+CONTROL_FILES = (READY, ACTIVATION, STATUS, ERROR, OWNER)
+
+# The vsnap process that owns a tree (the capture, or a foreground restore) writes owner.json
+# every OWNER_BEAT_S; a tree whose owner fell silent for OWNER_TIMEOUT_S shuts itself down, so a
+# SIGKILLed vsnap never leaves an engine running. A detached restore hands the tree over.
+OWNER_BEAT_S = 0.5
+OWNER_TIMEOUT_S = 10.0
 
 # A single sleep never counts for more than this against a timeout: a restored tree's
 # CLOCK_MONOTONIC jumps (days may pass between capture and restore, and another host's
@@ -77,6 +87,12 @@ class Status(_Message):
     detail: dict[str, Any] = Field(default_factory=dict)
 
 
+class Owner(_Message):
+    pid: int
+    beat: float  # time.time() of the last heartbeat: wall clock, the same on both sides of a restore
+    detached: bool = False
+
+
 class ErrorReport(_Message):
     phase: str
     type: str
@@ -112,6 +128,21 @@ def check_private_dir(path: Path) -> None:
         raise ControlProtocolError(path, f"is owned by uid {st.st_uid}, not by us (uid {os.geteuid()})")
     if st.st_mode & 0o077:
         raise ControlProtocolError(path, f"has mode {stat.S_IMODE(st.st_mode):04o}; it must be private (0700)")
+
+
+@contextmanager
+def control_lock(directory: Path) -> Iterator[None]:
+    """One vsnap capture or restore per control directory at a time (a flock on .lock in it)."""
+    fd = os.open(directory / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ProcessTreeError(None, f"another vsnap capture or restore is using the control directory {directory}",
+                                   hint="wait for it, or give this spec its own snapshot.control_dir") from None
+        yield
+    finally:
+        os.close(fd)
 
 
 def write_atomic(directory: Path, name: str, data: bytes) -> None:
@@ -231,6 +262,68 @@ def wait_until(
             raise PhaseTimeout(phase, timeout_s, log_path=log_path)
         time.sleep(interval_s)
         budget.tick()
+
+
+class OwnerHeartbeat:
+    """Writes owner.json every OWNER_BEAT_S from a daemon thread until stopped or detached.
+
+    With ``while_alive``, it also stops by itself once that process (the restored tree) is gone.
+    """
+
+    def __init__(self, control_dir: Path, while_alive: Callable[[], bool] | None = None) -> None:
+        self.control_dir = control_dir
+        self._while_alive = while_alive
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="vsnap-owner-heartbeat", daemon=True)
+
+    def start(self) -> "OwnerHeartbeat":
+        self.beat()
+        self._thread.start()
+        return self
+
+    def beat(self, detached: bool = False) -> None:
+        write_message(self.control_dir, OWNER, Owner(pid=os.getpid(), beat=time.time(), detached=detached))
+
+    def _run(self) -> None:
+        while not self._stop.wait(OWNER_BEAT_S):
+            if self._while_alive is not None and not self._while_alive():
+                return
+            try:
+                self.beat()
+            except OSError:
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+
+    def detach(self) -> None:
+        """Hand the tree over: it keeps running without an owner."""
+        self.stop()
+        self.beat(detached=True)
+
+    def __enter__(self) -> "OwnerHeartbeat":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def owner_gone(control_dir: Path, now: float | None = None) -> str | None:
+    """Why the tree should stop (its owner is silent), or None while it is owned or detached."""
+    try:
+        owner = read_message(control_dir, OWNER, Owner)
+    except ControlProtocolError as exc:
+        return f"owner file unusable: {exc.reason}"
+    if owner is None:
+        return "no owner file"
+    if owner.detached:
+        return None
+    silent = (time.time() if now is None else now) - owner.beat
+    if silent > OWNER_TIMEOUT_S:
+        return f"the vsnap process {owner.pid} that owns this tree has been silent for {silent:.0f} s"
+    return None
 
 
 def error_report(phase: str, error: BaseException, **detail: Any) -> ErrorReport:

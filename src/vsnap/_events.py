@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -18,6 +20,16 @@ class PhaseEvent:
 ProgressCallback = Callable[[PhaseEvent], None]
 
 
+FAILPOINT_ENV = "VSNAP_FAILPOINT"
+
+
+def failpoint(name: str) -> None:
+    """Fault injection for the fault tests: VSNAP_FAILPOINT="criu dump" SIGKILLs this process at the
+    start of that phase, "after criu dump" at its end. Unset in normal use."""
+    if os.environ.get(FAILPOINT_ENV) == name:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _ignore(_: PhaseEvent) -> None:
     pass
 
@@ -32,6 +44,7 @@ class Timings:
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
+        failpoint(name)
         self._on_event(PhaseEvent(name, "start"))
         start = time.monotonic()
         try:
@@ -42,6 +55,7 @@ class Timings:
             raise
         self.seconds[name] = time.monotonic() - start
         self._on_event(PhaseEvent(name, "done", self.seconds[name]))
+        failpoint(f"after {name}")
 
     def add(self, name: str, seconds: float) -> None:
         """Record a phase measured elsewhere (for example inside the engine tree)."""

@@ -39,7 +39,7 @@ def check_parent(image_dir: Path) -> None:
     parent = image_dir.parent
     parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     st = parent.stat()
-    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+    if st.st_mode & 0o022:
         raise ImageError(f"{parent} is writable by group or others; an image there could be replaced",
                          hint=f"chmod go-w {parent}, or choose another image directory")
 

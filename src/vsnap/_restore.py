@@ -43,6 +43,12 @@ class RestoredServer:
     restore_log: Path
     timings: dict[str, float] = field(default_factory=dict)
     recovery: dict[str, float] = field(default_factory=dict)
+    heartbeat: control.OwnerHeartbeat | None = None
+
+    def detach(self) -> None:
+        """Let the server outlive this process (otherwise it stops soon after this process dies)."""
+        if self.heartbeat is not None:
+            self.heartbeat.detach()
 
     @property
     def url(self) -> str:
@@ -129,10 +135,15 @@ def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000,
         manifest = verify_image(image_dir)
         check_port_free(host, port)
     control_dir = Path(manifest.control_dir)
+    with control.control_lock(control.ensure_private_dir(control_dir)):
+        return _restore_locked(image_dir, manifest, timings, host, port)
+
+
+def _restore_locked(image_dir: Path, manifest: Manifest, timings: Timings, host: str, port: int) -> RestoredServer:
+    control_dir = Path(manifest.control_dir)
     engine_log = control_dir / control.ENGINE_LOG
     restore_log = control_dir / RESTORE_LOG
     with timings.phase("prepare host"):
-        control.ensure_private_dir(control_dir)
         other = running_instance(control_dir)
         if other is not None:
             raise ProcessTreeError(other, f"a restored server of this image is already running (pid {other})",
@@ -143,11 +154,15 @@ def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000,
         put_back(image_dir / SHM_DIR, manifest.shm_files)
         become_subreaper()
     pid: int | None = None
+    restored_pid: list[int] = []
+    heartbeat = control.OwnerHeartbeat(control_dir, while_alive=lambda: not restored_pid or alive(restored_pid[0]))
+    heartbeat.start()
     try:
         with timings.phase("criu restore"):
             pid = CriuRunner.locate().restore(RestoreOptions(
                 images_dir=image_dir / CRIU_DIR, work_dir=control_dir, log_file=restore_log, pidfile=control_dir / RESTORE_PID,
                 externals=manifest.externals))
+            restored_pid.append(pid)
         if manifest.cuda_processes:
             from ._cuda import CudaCheckpoint
 
@@ -167,11 +182,13 @@ def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000,
                                     engine_log, restore_log)
             health_check(server.url)
     except BaseException:
+        heartbeat.stop()
         if pid is not None:
             kill_tree(pid)
         for name in manifest.shm_files:
             (SHM / name).unlink(missing_ok=True)
         raise
+    server.heartbeat = heartbeat
     server.timings = dict(timings.seconds)
     t = validated.times
     server.recovery = {k: v for k, v in validated.detail.items() if isinstance(v, (int, float))}
@@ -180,8 +197,14 @@ def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000,
     return server
 
 
-def stop_server(pid: int, grace_s: float = 10.0) -> None:
+def stop_server(server: RestoredServer | int, grace_s: float = 10.0) -> None:
     """Stop a restored tree: SIGTERM to its root (it shuts the server down), then SIGKILL."""
+    if isinstance(server, RestoredServer):
+        if server.heartbeat is not None:
+            server.heartbeat.stop()
+        pid = server.pid
+    else:
+        pid = server
     kill_tree(pid, grace_s=grace_s)
     reap(pid)
 

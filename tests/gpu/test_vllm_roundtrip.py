@@ -40,4 +40,4 @@ def test_vllm_capture_restore_serves_the_oracle(tmp_path: Path) -> None:
         assert out.returncode == 0, out.stdout + out.stderr
         assert json.loads(out.stdout)["ok"] is True
     finally:
-        stop_server(server.pid)
+        stop_server(server)

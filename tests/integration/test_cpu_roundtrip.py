@@ -61,7 +61,7 @@ def test_restore_serves_the_oracle_then_again_after_stop(captured: CapturedImage
             assert set(server.timings) == {"verify image", "prepare host", "criu restore", "recover", "serve"}
             assert_serves_oracle(server.url, captured.manifest.oracle, captured.manifest.launch.oracle_top_k)
         finally:
-            stop_server(server.pid)
+            stop_server(server)
         assert engine_processes(captured.control_dir) == []
         assert not any(name in link_remap_files() for name in captured.manifest.shm_files)
 
@@ -73,7 +73,7 @@ def test_second_restore_of_a_running_image_is_refused(captured: CapturedImage) -
         assert result.returncode == 5
         assert f"a restored server of this image is already running (pid {server.pid})" in result.stderr
     finally:
-        stop_server(server.pid)
+        stop_server(server)
 
 
 def test_port_in_use_refused_before_criu(captured: CapturedImage) -> None:
@@ -213,3 +213,17 @@ def test_bad_spec_reports_line_and_key_before_anything_runs(tmp_path: Path) -> N
     assert doc["issues"][0]["line"] == 4 and doc["issues"][0]["field"] == "model"
     assert not (tmp_path / "img").exists()
     assert not Path("/run/vsnap/m").exists()
+
+
+def test_bounded_load_on_a_restored_server(captured: CapturedImage) -> None:
+    from vsnap._loadgen import run_load
+
+    server = restore_image(captured.image, port=0)
+    try:
+        result = run_load(server.url, concurrency=4, seconds=4, max_requests=2000)
+    finally:
+        stop_server(server)
+    assert result.errors == 0, result.error_samples
+    assert result.requests >= 20
+    with pytest.raises(ValueError, match="loopback addresses only"):
+        run_load("http://10.0.0.1:8000", seconds=0.1)

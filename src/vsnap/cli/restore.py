@@ -37,6 +37,7 @@ def restore(
         _render.stdout.print(_render.timing_table(f"restored {server.image_dir}", server.timings, server.recovery))
         _render.stdout.print(f"serving {server.url} (pid {server.pid}); engine log {server.engine_log}")
     if detach:
+        server.detach()
         return
     if not as_json:
         _render.stderr.print("Ctrl-C stops the server")
@@ -44,6 +45,6 @@ def restore(
         _restore.wait_server(server.pid)
     except KeyboardInterrupt:
         _render.stderr.print("stopping the server…")
-        _restore.stop_server(server.pid)
+        _restore.stop_server(server)
         raise
     raise EngineError("serve", "EngineExited", "the server exited", log_path=server.engine_log)

@@ -58,6 +58,22 @@ def _reap_orphans() -> None:
                     pass
 
 
+def _watch_owner(control_dir: Path) -> None:
+    """Shut the tree down when the vsnap process that owns it is gone (SIGKILLed, crashed)."""
+    from .._control import owner_gone
+
+    while True:
+        time.sleep(1.0)
+        reason = owner_gone(control_dir)
+        if reason is None:
+            continue
+        print(f"vsnap engine: {reason}; shutting down", flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(20)
+        print("vsnap engine: graceful shutdown took too long; exiting", flush=True)
+        os._exit(3)
+
+
 async def _main(control_dir: Path) -> None:
     from .launcher import run_engine
 
@@ -81,6 +97,7 @@ def main() -> int:
     print(f"vsnap engine root pid {os.getpid()} starting", flush=True)
     if os.getpid() == 1:
         threading.Thread(target=_reap_orphans, name="reaper", daemon=True).start()
+    threading.Thread(target=_watch_owner, args=(control_dir,), name="owner-watch", daemon=True).start()
     try:
         asyncio.run(_main(control_dir))
     except (asyncio.CancelledError, KeyboardInterrupt):
