@@ -23,6 +23,7 @@ from vsnap import _control as control
 from vsnap._capture import capture_image, launch_config, resolve_model, tree_environment, wait_ready
 from vsnap._control import Activation
 from vsnap._host import host_facts
+from vsnap._instances import new_instance_dir
 from vsnap._proctree import kill_tree, launch_tree
 from vsnap._restore import _wait_status, restore_image, stop_server
 from vsnap._spec import ModelSpec
@@ -36,15 +37,16 @@ def first_token(url: str) -> None:
 
 
 def cold_start(spec: ModelSpec, work: Path) -> float:
-    control_dir = control.ensure_private_dir(work / f"cold-{time.monotonic_ns()}")
-    control.write_message(control_dir, control.LAUNCH, launch_config(spec, resolve_model(spec)))
-    heartbeat = control.OwnerHeartbeat(control_dir).start()
+    control_dir = control.ensure_private_dir(work / "cold")
+    _, instance = new_instance_dir(control_dir, "cold")
+    control.write_message(instance, control.LAUNCH, launch_config(spec, resolve_model(spec)))
+    heartbeat = control.OwnerHeartbeat(instance).start()
     start = time.monotonic()
-    tree = launch_tree(control_dir, tree_environment(control_dir), control_dir / control.ENGINE_LOG)
+    tree = launch_tree(control_dir, instance, tree_environment(control_dir, instance))
     try:
-        wait_ready(tree, control_dir, 300)
-        control.write_message(control_dir, control.ACTIVATION, Activation(host="127.0.0.1", port=0))
-        status = _wait_status(control_dir, tree.root_pid, ("serving",), "serve", control_dir / control.ENGINE_LOG)
+        wait_ready(tree, instance, 300)
+        control.write_message(instance, control.ACTIVATION, Activation(host="127.0.0.1", port=0))
+        status = _wait_status(instance, tree.root_pid, ("serving",), "serve", instance / control.ENGINE_LOG)
         first_token(f"http://127.0.0.1:{status.detail['port']}")
         return time.monotonic() - start
     finally:

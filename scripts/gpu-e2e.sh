@@ -58,7 +58,7 @@ log "vsnap capture"
 "${VSNAP[@]}" capture "$SPEC" --force --json > "$OUT/capture.json" 2> "$OUT/capture.err"; rc=$?
 echo "capture rc=$rc"; tail -5 "$OUT/capture.err"
 if [ $rc -ne 0 ]; then
-  tail -60 "$WORK/control/$SHAPE/engine.log" > "$OUT/engine-capture-tail.log" 2>/dev/null
+  tail -60 "$WORK/control/$SHAPE".instances/capture-*/engine.log > "$OUT/engine-capture-tail.log" 2>/dev/null
   cat "$OUT/capture.json"; tail -40 "$OUT/engine-capture-tail.log"; exit 20
 fi
 cp "$IMAGE/logs/engine.log" "$OUT/engine-capture.log"
@@ -70,8 +70,8 @@ for n in 1 2; do
   "${VSNAP[@]}" restore "$IMAGE" --port "$PORT" --detach --json > "$OUT/restore$n.json" 2> "$OUT/restore$n.err"; rc=$?
   echo "restore rc=$rc"; tail -8 "$OUT/restore$n.err"
   if [ $rc -ne 0 ]; then
-    cat "$OUT/restore$n.json"; tail -60 "$WORK/control/$SHAPE/engine.log"; tail -30 "$WORK/control/$SHAPE/restore.log"
-    cp "$WORK/control/$SHAPE/restore.log" "$OUT/" 2>/dev/null; exit 30
+    cat "$OUT/restore$n.json"; tail -60 "$WORK/control/$SHAPE".instances/r-*/engine.log
+    tail -30 "$WORK/control/$SHAPE".instances/r-*/restore.log; exit 30
   fi
   "$PY" scripts/check_oracle.py "$IMAGE" "http://127.0.0.1:$PORT" > "$OUT/check$n.json"; crc=$?
   t1=$(date +%s.%N)
@@ -79,10 +79,11 @@ for n in 1 2; do
   "$PY" -c "import sys; print(f'restore+oracle over HTTP: {float(sys.argv[2]) - float(sys.argv[1]):.2f} s')" "$t0" "$t1"
   echo "$t0 $t1" > "$OUT/wall$n.txt"
   nvidia-smi --query-gpu=memory.used --format=csv,noheader > "$OUT/gpu-restored$n.txt"
+  instance_dir=$("$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['instance_dir'])" "$OUT/restore$n.json")
+  cp "$instance_dir/restore.log" "$OUT/restore$n.log" 2>/dev/null
+  cp "$instance_dir/engine.log" "$OUT/engine-restore$n.log" 2>/dev/null
   "${VSNAP[@]}" stop "$IMAGE" --json > "$OUT/stop$n.json" 2>&1
-  cp "$WORK/control/$SHAPE/restore.log" "$OUT/restore$n.log" 2>/dev/null
 done
-tail -80 "$WORK/control/$SHAPE/engine.log" > "$OUT/engine-restore-tail.log"
 nvidia-smi --query-gpu=memory.used --format=csv,noheader > "$OUT/gpu-after.txt"
 pgrep -f "vsnap.engine $WORK" > "$OUT/leftover-pids.txt" && echo "LEFTOVER PROCESSES" || echo "no process left"
 

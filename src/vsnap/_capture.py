@@ -10,7 +10,6 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import shutil
-from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,11 +17,12 @@ from . import _control as control
 from ._control import ErrorReport, LaunchConfig, Ready
 from ._criu import CriuRunner
 from ._criu_options import DumpOptions, external_mounts
-from ._errors import CheckpointError, CriuError, EngineError, ImageError
+from ._errors import CheckpointError, CriuError, EngineError, HostNotReady, ImageError, ProcessTreeError
 from ._events import ProgressCallback, Timings
 from ._host import host_facts, require_host
 from ._image import check_parent, checksum_tree, image_lock, make_staging, publish, remove_stale_staging, sha256_file
-from ._manifest import CRIU_DIR, DUMP_LOG, ENGINE_LOG, FORMAT_VERSION, MANIFEST, SHM_DIR, Dependency, Manifest
+from ._instances import new_instance_dir
+from ._manifest import CRIU_DIR, DUMP_LOG, ENGINE_LOG, FORMAT_VERSION, MANIFEST, SHM_DIR, Dependency, HostFacts, Manifest
 from ._proctree import LaunchedTree, kill_tree, launch_tree, mapped_and_open_files, tree_pids, wait_gone
 from ._shm import SHM, link_remap_files
 from ._spec import ModelSpec
@@ -64,20 +64,22 @@ def launch_config(spec: ModelSpec, model_dir: Path) -> LaunchConfig:
 VLLM_CACHE_ROOT = "/var/cache/vsnap/vllm"
 
 
-def tree_environment(control_dir: Path, engine: str = "cpu") -> dict[str, str]:
-    """The tree's environment: the caller's, plus what makes it checkpointable (set by vsnap, not the user)."""
+def tree_environment(control_dir: Path, instance_dir: Path, engine: str = "cpu") -> dict[str, str]:
+    """The tree's environment: the caller's, plus what makes it checkpointable (set by vsnap, not the user).
+
+    ``control_dir`` is the path the tree sees; ``instance_dir`` the host directory bound there.
+    """
     env = dict(os.environ)
     env.update({"PYTHONUNBUFFERED": "1", "VSNAP_CONTROL_DIR": str(control_dir),
                 "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
     if engine == "cpu":
         env["OMP_NUM_THREADS"] = "1"
     else:
-        rpc_dir = control_dir / "rpc"
-        rpc_dir.mkdir(mode=0o700, exist_ok=True)
+        (instance_dir / "rpc").mkdir(mode=0o700, exist_ok=True)
         env.update({
             "VLLM_WORKER_MULTIPROC_METHOD": "spawn",  # fork would copy a CUDA context
             "VLLM_HOST_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-            "VLLM_RPC_BASE_PATH": str(rpc_dir),  # IPC sockets in the private control dir
+            "VLLM_RPC_BASE_PATH": str(control_dir / "rpc"),  # IPC sockets in the per-instance directory
             "NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo",
             "TORCH_NCCL_ENABLE_MONITORING": "0",
             "UV_USE_IO_URING": "0",  # CRIU cannot dump io_uring
@@ -181,32 +183,37 @@ def capture_image(spec: ModelSpec, *, image_dir: Path | None = None, force: bool
             from ._vllm_check import require_supported_args
 
             require_supported_args(spec)
-    with image_lock(image_dir), ExitStack() as stack:
+    with image_lock(image_dir):
         if image_dir.exists() and not force:
             raise ImageError(f"{image_dir} already exists", hint="pass --force to replace it once the new one is complete")
         remove_stale_staging(image_dir)
         with timings.phase("prepare model"):
             model_dir = resolve_model(spec)
-        control.ensure_private_dir(control_dir)
-        stack.enter_context(control.control_lock(control_dir))
-        control.remove_control_files(control_dir, (*control.CONTROL_FILES, control.LAUNCH, control.ENGINE_LOG))
+        control.ensure_private_dir(control_dir)  # the mount point inside the tree
+        _, work = new_instance_dir(control_dir, "capture")  # bound there: this capture's files
         launch = launch_config(spec, model_dir)
-        control.write_message(control_dir, control.LAUNCH, launch)
-        engine_log = control_dir / control.ENGINE_LOG
+        control.write_message(work, control.LAUNCH, launch)
+        env = tree_environment(control_dir, work, spec.engine)
+        if spec.engine == "vllm":
+            env.setdefault("CUDA_VISIBLE_DEVICES", capture_gpu_uuid())
         staging = make_staging(image_dir)
         shm_before = set(link_remap_files())
         tree: LaunchedTree | None = None
-        heartbeat = control.OwnerHeartbeat(control_dir).start()
+        heartbeat = control.OwnerHeartbeat(work).start()
         try:
             with timings.phase("launch"):
-                tree = launch_tree(control_dir, tree_environment(control_dir, spec.engine), engine_log)
+                tree = launch_tree(control_dir, work, env)
             with timings.phase("boot engine"):
-                ready = wait_ready(tree, control_dir, spec.snapshot.timeout_s)
+                ready = wait_ready(tree, work, spec.snapshot.timeout_s)
             pids = tree_pids(tree.root_pid)
             dependencies = _dependencies(pids, model_dir, control_dir)
             with open(f"/proc/{tree.root_pid}/mountinfo") as f:
                 externals = external_mounts(f.read())
-            facts = host_facts(spec.engine)
+            control_key = next((k for k, mountpoint in externals.items() if mountpoint == str(control_dir)), None)
+            if control_key is None:
+                raise ProcessTreeError(tree.root_pid, f"the tree has no mount at its control directory {control_dir}",
+                                       phase="boot engine", log_path=work / control.ENGINE_LOG)
+            facts = host_facts(spec.engine, visible=env.get("CUDA_VISIBLE_DEVICES"))
             (staging / CRIU_DIR).mkdir()
             (staging / "logs").mkdir()
             cuda_pids: list[int] = []
@@ -223,7 +230,7 @@ def capture_image(spec: ModelSpec, *, image_dir: Path | None = None, force: bool
                     runner.dump(DumpOptions(pid=tree.root_pid, images_dir=staging / CRIU_DIR,
                                             log_file=staging / DUMP_LOG, externals=externals))
                 except CriuError as error:
-                    raise dump_failure(error, staging, control_dir) from None
+                    raise dump_failure(error, staging, work) from None
                 left = wait_gone(pids, 30)
                 if left:
                     raise ImageError(f"processes {left} of the tree survived the dump")
@@ -233,7 +240,7 @@ def capture_image(spec: ModelSpec, *, image_dir: Path | None = None, force: bool
                 (staging / SHM_DIR).mkdir()
                 for name in shm_files:
                     shutil.move(str(SHM / name), staging / SHM_DIR / name)
-            shutil.copy2(engine_log, staging / ENGINE_LOG)
+            shutil.copy2(work / control.ENGINE_LOG, staging / ENGINE_LOG)
             with timings.phase("publish"):
                 files = checksum_tree(staging)
                 image_bytes = sum(entry.size for entry in files.values())
@@ -241,8 +248,9 @@ def capture_image(spec: ModelSpec, *, image_dir: Path | None = None, force: bool
                     format_version=FORMAT_VERSION,
                     created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                     name=spec.name, engine=spec.engine, spec=spec.model_dump(mode="json"), launch=launch,
-                    control_dir=str(control_dir), oracle=ready.oracle, host=facts, externals=externals,
-                    shm_files=shm_files, cuda_processes=len(cuda_pids), dependencies=dependencies,
+                    control_dir=str(control_dir), control_mount_key=control_key, oracle=ready.oracle, host=facts,
+                    externals=externals, shm_files=shm_files, cuda_processes=len(cuda_pids),
+                    gpu_memory_required=gpu_memory_required(spec, facts), dependencies=dependencies,
                     timings={**timings.seconds, "engine_boot_to_ready": ready.times.get("prepared", 0)
                              - ready.times.get("start", 0)},
                     sizes={"image_bytes": image_bytes,
@@ -261,8 +269,26 @@ def capture_image(spec: ModelSpec, *, image_dir: Path | None = None, force: bool
             shutil.rmtree(staging, ignore_errors=True)
             for name in set(link_remap_files()) - shm_before:
                 (SHM / name).unlink(missing_ok=True)
-            raise
+            raise  # the capture's instance directory stays, with the engine log the error names
         heartbeat.stop()
+        shutil.rmtree(work, ignore_errors=True)
     return CaptureResult(image_dir, manifest, dict(timings.seconds), image_bytes, image_dir / ENGINE_LOG)
+
+
+def capture_gpu_uuid() -> str:
+    """The GPU a vLLM capture runs on when CUDA_VISIBLE_DEVICES does not say: the first one."""
+    from ._cuda import gpu_facts
+
+    _, _, gpus = gpu_facts()
+    if not gpus:
+        raise HostNotReady("gpu", "no CUDA GPU is visible", hint="check nvidia-smi")
+    return str(gpus[0]["uuid"])
+
+
+def gpu_memory_required(spec: ModelSpec, facts: HostFacts) -> int | None:
+    """GPU memory a restore needs free: vLLM takes gpu_memory_utilization of the GPU once awake."""
+    if spec.engine != "vllm" or not facts.gpus:
+        return None
+    return int(float(spec.serve.get("gpu_memory_utilization", 0.9)) * int(facts.gpus[0]["memory_bytes"]))
 
 

@@ -80,14 +80,88 @@ class CudaCheckpoint:
                 self.driver.cuCheckpointProcessUnlock(pid, None)
             raise
 
-    def restore(self, pids: list[int]) -> None:
-        """Restore device memory of every checkpointed process, then unlock them all."""
+    def _restore_args(self, gpu_pairs: list[tuple[str, str]]) -> Any:
+        d = self.driver
+        pairs = []
+        for old, new in gpu_pairs:
+            pair = d.CUcheckpointGpuPair()
+            for attr, text in (("oldUuid", old), ("newUuid", new)):
+                uuid = d.CUuuid()
+                uuid.bytes = _uuid_bytes(text)
+                setattr(pair, attr, uuid)
+            pairs.append(pair)
+        args = d.CUcheckpointRestoreArgs()
+        args.gpuPairs = pairs
+        args.gpuPairsCount = len(pairs)
+        return args
+
+    def restore(self, pids: list[int], gpu_pairs: list[tuple[str, str]] | None = None) -> None:
+        """Restore device memory of every checkpointed process, then unlock them all.
+
+        ``gpu_pairs`` maps a captured GPU's UUID to the one to restore onto (every GPU the process
+        saw must appear; vsnap captures with one visible GPU).
+        """
+        args = None
+        if gpu_pairs:
+            try:
+                args = self._restore_args(gpu_pairs)
+            except (AttributeError, TypeError, ValueError):
+                args = None  # this cuda-bindings cannot build the struct: call the driver through ctypes
         for pid in pids:
-            if self.state(pid) == "checkpointed":
-                self._call(pid, "cuCheckpointProcessRestore", None)
+            if self.state(pid) != "checkpointed":
+                continue
+            if gpu_pairs and args is None:
+                result = _ctypes_restore(pid, gpu_pairs)
+                if result != 0:
+                    raise CudaCheckpointError(pid, "cuCheckpointProcessRestore", f"CUresult {result}")
+            else:
+                self._call(pid, "cuCheckpointProcessRestore", args)
         for pid in pids:
             if self.state(pid) == "locked":
                 self._call(pid, "cuCheckpointProcessUnlock", None)
+
+
+def _uuid_bytes(text: str) -> bytes:
+    return bytes.fromhex(text.removeprefix("GPU-").replace("-", ""))
+
+
+def _ctypes_restore(pid: int, gpu_pairs: list[tuple[str, str]]) -> int:
+    """cuCheckpointProcessRestore with a GPU remap, through libcuda's C ABI (cuda.h layout)."""
+    import ctypes
+
+    class CUuuid(ctypes.Structure):
+        _fields_ = [("bytes", ctypes.c_char * 16)]
+
+    class GpuPair(ctypes.Structure):
+        _fields_ = [("oldUuid", CUuuid), ("newUuid", CUuuid)]
+
+    class RestoreArgs(ctypes.Structure):
+        _fields_ = [("gpuPairs", ctypes.POINTER(GpuPair)), ("gpuPairsCount", ctypes.c_uint),
+                    ("reserved", ctypes.c_char * (52 - ctypes.sizeof(ctypes.c_void_p))),
+                    ("reserved1", ctypes.c_uint64)]
+
+    pairs = (GpuPair * len(gpu_pairs))(*[GpuPair(CUuuid(_uuid_bytes(old)), CUuuid(_uuid_bytes(new)))
+                                         for old, new in gpu_pairs])
+    args = RestoreArgs(gpuPairs=pairs, gpuPairsCount=len(gpu_pairs))
+    libcuda = ctypes.CDLL("libcuda.so.1")
+    return int(libcuda.cuCheckpointProcessRestore(ctypes.c_int(pid), ctypes.byref(args)))
+
+
+def gpu_free_memory() -> dict[str, int]:
+    """Free memory per GPU UUID, from nvidia-smi (empty if it is not there)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=uuid,memory.free", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    free = {}
+    for line in out.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 2 and parts[1].isdigit():
+            free[parts[0]] = int(parts[1]) << 20
+    return free
 
 
 def _format_uuid(uuid: Any) -> str:

@@ -121,13 +121,17 @@ def require_host(engine: str) -> None:
             raise check.error
 
 
-def host_facts(engine: str) -> HostFacts:
+def host_facts(engine: str, visible: str | None = None) -> HostFacts:
+    """This host's facts; ``visible`` (a CUDA_VISIBLE_DEVICES value of UUIDs) limits the GPUs recorded."""
     runner = CriuRunner.locate()
     driver, cuda, gpus = None, None, []
     if engine == "vllm":
         from ._cuda import gpu_facts
 
         driver, cuda, gpus = gpu_facts()
+        if visible:
+            wanted = visible.split(",")
+            gpus = [g for g in gpus if g["uuid"] in wanted or str(g["index"]) in wanted]
     return HostFacts(
         driver=driver, cuda=cuda, gpus=gpus,
         hostname=socket.gethostname(),

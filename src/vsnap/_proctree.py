@@ -45,8 +45,16 @@ class LaunchedTree:
     root_pid: int
 
 
-def launch_tree(control_dir: Path, env: dict[str, str], log_path: Path, timeout_s: float = 30) -> LaunchedTree:
-    argv = [find_unshare(), "--pid", "--fork", "--mount-proc", sys.executable, "-m", "vsnap.engine", str(control_dir)]
+# Inside the new mount namespace (private propagation), bind the instance directory at the
+# control path, then become the engine: PID 1 stays the engine after exec.
+_BIND_AND_EXEC = 'mount --bind "$1" "$2" && exec "$3" -m vsnap.engine "$2"'
+
+
+def launch_tree(control_dir: Path, instance_dir: Path, env: dict[str, str], timeout_s: float = 30) -> LaunchedTree:
+    """Start the engine root as PID 1 of new PID and mount namespaces, ``instance_dir`` bound at ``control_dir``."""
+    argv = [find_unshare(), "--pid", "--fork", "--mount-proc", "--propagation", "private",
+            "sh", "-c", _BIND_AND_EXEC, "vsnap-engine", str(instance_dir), str(control_dir), sys.executable]
+    log_path = instance_dir / "engine.log"
     # 0600 from the start: CRIU checks the log's mode when it reopens it at restore
     log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     try:

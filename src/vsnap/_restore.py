@@ -24,6 +24,7 @@ from ._events import ProgressCallback, Timings
 from ._host import check_criu, check_root, require_host_matches
 from ._image import verify_files
 from ._manifest import CRIU_DIR, ENGINE_LOG, SHM_DIR, Manifest, read_manifest
+from ._instances import InstanceRecord, new_instance_dir, register, unregister
 from ._proctree import alive, become_subreaper, kill_tree, reap, tree_pids
 from ._shm import SHM, put_back
 
@@ -38,22 +39,30 @@ class RestoredServer:
     host: str
     port: int
     image_dir: Path
-    control_dir: Path
-    engine_log: Path
-    restore_log: Path
+    instance_id: str
+    instance_dir: Path  # this instance's control files and logs (bound at the tree's control path)
+    gpu: str | None = None
     timings: dict[str, float] = field(default_factory=dict)
     recovery: dict[str, float] = field(default_factory=dict)
     heartbeat: control.OwnerHeartbeat | None = None
-
-    def detach(self) -> None:
-        """Let the server outlive this process (otherwise it stops soon after this process dies)."""
-        if self.heartbeat is not None:
-            self.heartbeat.detach()
 
     @property
     def url(self) -> str:
         host = "127.0.0.1" if self.host in ("0.0.0.0", "") else ("[::1]" if self.host == "::" else self.host)
         return f"http://{host}:{self.port}"
+
+    @property
+    def engine_log(self) -> Path:
+        return self.instance_dir / control.ENGINE_LOG
+
+    @property
+    def restore_log(self) -> Path:
+        return self.instance_dir / RESTORE_LOG
+
+    def detach(self) -> None:
+        """Let the server outlive this process (otherwise it stops soon after this process dies)."""
+        if self.heartbeat is not None:
+            self.heartbeat.detach()
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -67,15 +76,6 @@ def check_port_free(host: str, port: int) -> None:
         except OSError as exc:
             raise HostNotReady("port", f"cannot serve on {host}:{port}: {exc.strerror}",
                                hint="choose another --port, or stop what listens there") from None
-
-
-def running_instance(control_dir: Path) -> int | None:
-    """The PID of a restored tree still using this control directory, if any."""
-    try:
-        pid = int((control_dir / RESTORE_PID).read_text().strip())
-    except (OSError, ValueError):
-        return None
-    return pid if alive(pid) else None
 
 
 def _engine_failure(report: ErrorReport, log: Path) -> EngineError:
@@ -124,9 +124,14 @@ def verify_image(image_dir: Path) -> Manifest:
     return manifest
 
 
-def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000,
+def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000, gpu: str | None = None,
                   on_event: ProgressCallback | None = None) -> RestoredServer:
-    """Restore the image's tree, activate it on host:port and return once it serves."""
+    """Restore a new instance of the image's tree, activate it on host:port and return once it serves.
+
+    Each call gets its own instance directory, PID namespace and (for vLLM) GPU: ``gpu`` is an
+    index or UUID; by default the captured GPU if present, else the first of the same model with
+    enough free memory.
+    """
     image_dir = Path(image_dir).absolute()
     timings = Timings(on_event)
     with timings.phase("verify image"):
@@ -134,34 +139,28 @@ def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000,
         check_criu()
         manifest = verify_image(image_dir)
         check_port_free(host, port)
+        target = choose_gpu(manifest, gpu) if manifest.cuda_processes else None
     control_dir = Path(manifest.control_dir)
-    with control.control_lock(control.ensure_private_dir(control_dir)):
-        return _restore_locked(image_dir, manifest, timings, host, port)
-
-
-def _restore_locked(image_dir: Path, manifest: Manifest, timings: Timings, host: str, port: int) -> RestoredServer:
-    control_dir = Path(manifest.control_dir)
-    engine_log = control_dir / control.ENGINE_LOG
-    restore_log = control_dir / RESTORE_LOG
     with timings.phase("prepare host"):
-        other = running_instance(control_dir)
-        if other is not None:
-            raise ProcessTreeError(other, f"a restored server of this image is already running (pid {other})",
-                                   phase="prepare host", hint=f"stop it first (vsnap stop {image_dir}), or capture a second image")
-        control.remove_control_files(control_dir)
-        # CRIU reopens the log at its captured size: put the captured log back.
-        shutil.copy2(image_dir / ENGINE_LOG, engine_log)
+        control.ensure_private_dir(control_dir)  # the mount point inside the tree
+        instance_id, work = new_instance_dir(control_dir, "r")
+        # CRIU reopens the log at its captured size and mode: put the captured log back.
+        shutil.copy2(image_dir / ENGINE_LOG, work / control.ENGINE_LOG)
+        if manifest.engine == "vllm":
+            (work / "rpc").mkdir(mode=0o700)
         put_back(image_dir / SHM_DIR, manifest.shm_files)
         become_subreaper()
+    engine_log = work / control.ENGINE_LOG
+    externals = {**manifest.externals, manifest.control_mount_key: str(work)}
     pid: int | None = None
     restored_pid: list[int] = []
-    heartbeat = control.OwnerHeartbeat(control_dir, while_alive=lambda: not restored_pid or alive(restored_pid[0]))
+    heartbeat = control.OwnerHeartbeat(work, while_alive=lambda: not restored_pid or alive(restored_pid[0]))
     heartbeat.start()
     try:
         with timings.phase("criu restore"):
             pid = CriuRunner.locate().restore(RestoreOptions(
-                images_dir=image_dir / CRIU_DIR, work_dir=control_dir, log_file=restore_log, pidfile=control_dir / RESTORE_PID,
-                externals=manifest.externals))
+                images_dir=image_dir / CRIU_DIR, work_dir=work, log_file=work / RESTORE_LOG,
+                pidfile=work / RESTORE_PID, externals=externals))
             restored_pid.append(pid)
         if manifest.cuda_processes:
             from ._cuda import CudaCheckpoint
@@ -172,14 +171,16 @@ def _restore_locked(image_dir: Path, manifest: Manifest, timings: Timings, host:
                 if len(cuda_pids) != manifest.cuda_processes:
                     raise ProcessTreeError(pid, f"{len(cuda_pids)} CUDA processes after restore, "
                                                 f"{manifest.cuda_processes} at capture", phase="cuda restore")
-                cuda.restore(cuda_pids)
+                captured = manifest.host.gpus[0]["uuid"] if manifest.host.gpus else None
+                pairs = [(captured, target["uuid"])] if target and captured and target["uuid"] != captured else []
+                cuda.restore(cuda_pids, gpu_pairs=pairs)
         with timings.phase("recover"):
-            control.write_message(control_dir, control.ACTIVATION, Activation(host=host, port=port))
-            validated = _wait_status(control_dir, pid, ("validated", "serving"), "recover", engine_log)
+            control.write_message(work, control.ACTIVATION, Activation(host=host, port=port))
+            validated = _wait_status(work, pid, ("validated", "serving"), "recover", engine_log)
         with timings.phase("serve"):
-            serving = _wait_status(control_dir, pid, ("serving",), "serve", engine_log)
-            server = RestoredServer(pid, host, int(serving.detail.get("port", port)), image_dir, control_dir,
-                                    engine_log, restore_log)
+            serving = _wait_status(work, pid, ("serving",), "serve", engine_log)
+            server = RestoredServer(pid, host, int(serving.detail.get("port", port)), image_dir, instance_id, work,
+                                    gpu=target["uuid"] if target else None)
             health_check(server.url)
     except BaseException:
         heartbeat.stop()
@@ -187,7 +188,9 @@ def _restore_locked(image_dir: Path, manifest: Manifest, timings: Timings, host:
             kill_tree(pid)
         for name in manifest.shm_files:
             (SHM / name).unlink(missing_ok=True)
-        raise
+        raise  # the instance directory stays, with the logs the error names
+    register(InstanceRecord(id=instance_id, image=str(image_dir), name=manifest.name, pid=pid, url=server.url,
+                            port=server.port, gpu=server.gpu, instance_dir=str(work), started_at=time.time()))
     server.heartbeat = heartbeat
     server.timings = dict(timings.seconds)
     t = validated.times
@@ -197,16 +200,60 @@ def _restore_locked(image_dir: Path, manifest: Manifest, timings: Timings, host:
     return server
 
 
-def stop_server(server: RestoredServer | int, grace_s: float = 10.0) -> None:
-    """Stop a restored tree: SIGTERM to its root (it shuts the server down), then SIGKILL."""
+def stop_server(server: RestoredServer | InstanceRecord, grace_s: float = 10.0) -> None:
+    """Stop a restored instance: SIGTERM to its root (it shuts the server down), then SIGKILL.
+
+    A cleanly stopped instance's directory is removed with its record.
+    """
     if isinstance(server, RestoredServer):
         if server.heartbeat is not None:
             server.heartbeat.stop()
-        pid = server.pid
+        pid, instance_id, work = server.pid, server.instance_id, server.instance_dir
     else:
-        pid = server
+        pid, instance_id, work = server.pid, server.id, Path(server.instance_dir)
     kill_tree(pid, grace_s=grace_s)
     reap(pid)
+    unregister(instance_id)
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def choose_gpu(manifest: Manifest, requested: str | None) -> dict:
+    """The GPU to restore onto: the requested index or UUID, else the captured one, else the first
+    of the captured model with enough free memory. Refuses another model or too little memory."""
+    from ._cuda import gpu_facts, gpu_free_memory
+
+    _, _, gpus = gpu_facts()
+    captured = manifest.host.gpus[0] if manifest.host.gpus else {}
+    free = gpu_free_memory()
+    need = manifest.gpu_memory_required or 0
+
+    def fits(g: dict) -> str | None:
+        if captured and g["name"] != captured.get("name"):
+            return f"GPU {g['index']} is a {g['name']}; the image was captured on a {captured.get('name')}"
+        available = free.get(g["uuid"])
+        if available is not None and available < need:
+            return (f"GPU {g['index']} has {available / 2**30:.1f} GiB free; the image needs "
+                    f"{need / 2**30:.1f} GiB (gpu_memory_utilization of the captured GPU)")
+        return None
+
+    if requested is not None:
+        match = [g for g in gpus if requested in (str(g["index"]), g["uuid"])]
+        if not match:
+            raise HostNotReady("gpu", f"no GPU {requested} on this host (have {', '.join(str(g['index']) for g in gpus)})",
+                               hint="--gpu takes an index or a UUID from nvidia-smi -L")
+        reason = fits(match[0])
+        if reason:
+            raise HostNotReady("gpu", reason, hint="choose another --gpu")
+        return match[0]
+    ordered = sorted(gpus, key=lambda g: g["uuid"] != captured.get("uuid"))
+    reasons = []
+    for g in ordered:
+        reason = fits(g)
+        if reason is None:
+            return g
+        reasons.append(reason)
+    raise HostNotReady("gpu", "no GPU can take this image: " + "; ".join(reasons) if reasons else "no GPU is visible",
+                       hint="stop something on a GPU, or restore on a host with a free GPU of the captured model")
 
 
 def wait_server(pid: int, poll_s: float = 0.2) -> None:

@@ -58,6 +58,7 @@ def test_restore_serves_the_oracle_then_again_after_stop(captured: CapturedImage
         server = restore_image(captured.image, port=0)
         try:
             assert engine_processes(captured.control_dir) == [server.pid]
+            assert server.engine_log.parent == server.instance_dir
             assert set(server.timings) == {"verify image", "prepare host", "criu restore", "recover", "serve"}
             assert_serves_oracle(server.url, captured.manifest.oracle, captured.manifest.launch.oracle_top_k)
         finally:
@@ -66,14 +67,26 @@ def test_restore_serves_the_oracle_then_again_after_stop(captured: CapturedImage
         assert not any(name in link_remap_files() for name in captured.manifest.shm_files)
 
 
-def test_second_restore_of_a_running_image_is_refused(captured: CapturedImage) -> None:
-    server = restore_image(captured.image, port=0)
+def test_two_restores_of_one_image_serve_at_once(captured: CapturedImage) -> None:
+    """Each restore binds its own instance directory at the captured control path."""
+    first = restore_image(captured.image, port=0)
     try:
-        result = run_vsnap("restore", str(captured.image), "--port", "0", "--detach")
-        assert result.returncode == 5
-        assert f"a restored server of this image is already running (pid {server.pid})" in result.stderr
+        second = restore_image(captured.image, port=0)
+        try:
+            assert first.port != second.port and first.instance_dir != second.instance_dir
+            assert sorted(engine_processes(captured.control_dir)) == sorted([first.pid, second.pid])
+            for server in (first, second):
+                assert_serves_oracle(server.url, captured.manifest.oracle, captured.manifest.launch.oracle_top_k)
+                assert server.engine_log.is_file()
+            listed = json.loads(run_vsnap("ps", "--json").stdout)["instances"]
+            assert {first.instance_id, second.instance_id} <= {i["id"] for i in listed}
+        finally:
+            stop_server(second)
+        assert not second.instance_dir.exists()
+        assert_serves_oracle(first.url, captured.manifest.oracle, captured.manifest.launch.oracle_top_k)
     finally:
-        stop_server(server)
+        stop_server(first)
+    assert engine_processes(captured.control_dir) == []
 
 
 def test_port_in_use_refused_before_criu(captured: CapturedImage) -> None:
@@ -118,8 +131,9 @@ def test_detach_then_stop(captured: CapturedImage) -> None:
     assert result.returncode == 0, result.stderr
     doc = json.loads(result.stdout)
     assert engine_processes(captured.control_dir) == [doc["pid"]]
-    stopped = run_vsnap("stop", str(captured.image), "--json")
-    assert stopped.returncode == 0 and json.loads(stopped.stdout)["pid"] == doc["pid"]
+    assert doc["instance"] in run_vsnap("ps").stdout
+    stopped = run_vsnap("stop", doc["instance"], "--json")
+    assert stopped.returncode == 0 and json.loads(stopped.stdout)["stopped"][0]["pid"] == doc["pid"]
     assert engine_processes(captured.control_dir) == []
 
 
@@ -186,7 +200,9 @@ def test_engine_dying_before_ready_leaves_no_image_and_no_process(tmp_path: Path
     with pytest.raises(EngineError) as info:
         capture_image(spec)
     assert info.value.phase == "build engine"
-    assert info.value.log_path == str(spec.control_dir / "engine.log")
+    log = Path(info.value.log_path or "")
+    assert log.name == "engine.log" and log.parent.parent == Path(f"{spec.control_dir}.instances")
+    assert "weights" in log.read_text() or "safetensors" in log.read_text().lower()
     assert not spec.image_dir.exists()
     assert [p.name for p in spec.image_dir.parent.iterdir() if "staging" in p.name] == []
     assert engine_processes(spec.control_dir) == []

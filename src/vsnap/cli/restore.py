@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 import typer
 
@@ -19,23 +20,27 @@ def restore(
     image: Path = typer.Argument(..., help="image directory"),
     host: str = typer.Option("127.0.0.1", "--host", help="address to serve on"),
     port: int = typer.Option(8000, "--port", min=0, max=65535, help="port to serve on (0: any free port)"),
+    gpu: Optional[str] = typer.Option(None, "--gpu", help="GPU index or UUID (vLLM images; default: the captured GPU, "
+                                                  "else the first of its model with enough free memory)"),
     detach: bool = typer.Option(False, "--detach", help="leave the server running and print its pid"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON document on stdout"),
 ) -> None:
     progress = _render.PhaseProgress()
     try:
-        server = _restore.restore_image(image, host=host, port=port, on_event=progress)
+        server = _restore.restore_image(image, host=host, port=port, gpu=gpu, on_event=progress)
     finally:
         progress.close()
     if as_json:
         _render.print_json("restore", {
             "pid": server.pid, "url": server.url, "host": server.host, "port": server.port,
+            "instance": server.instance_id, "instance_dir": str(server.instance_dir), "gpu": server.gpu,
             "timings": server.timings, "total_s": sum(server.timings.values()), "recovery": server.recovery,
             "engine_log": str(server.engine_log), "restore_log": str(server.restore_log), "detached": detach,
         })
     else:
         _render.stdout.print(_render.timing_table(f"restored {server.image_dir}", server.timings, server.recovery))
-        _render.stdout.print(f"serving {server.url} (pid {server.pid}); engine log {server.engine_log}")
+        _render.stdout.print(f"instance {server.instance_id} serving {server.url} (pid {server.pid}"
+                             f"{', GPU ' + server.gpu if server.gpu else ''}); engine log {server.engine_log}")
     if detach:
         server.detach()
         return

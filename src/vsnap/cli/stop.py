@@ -1,4 +1,4 @@
-"""vsnap stop IMAGE"""
+"""vsnap stop IMAGE|INSTANCE"""
 
 from __future__ import annotations
 
@@ -8,23 +8,25 @@ import typer
 
 from .. import _restore
 from .._errors import ProcessTreeError
-from .._manifest import read_manifest
+from .._instances import running_instances
 from . import _render
 from . import app, error_boundary
 
 
-@app.command(help="Stop the server restored (with --detach) from IMAGE.")
+@app.command(help="Stop running restored instances: every instance of IMAGE, or the one INSTANCE id (vsnap ps).")
 @error_boundary
 def stop(
-    image: Path = typer.Argument(..., help="image directory"),
+    target: str = typer.Argument(..., help="image directory or instance id"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON document on stdout"),
 ) -> None:
-    manifest = read_manifest(image)
-    pid = _restore.running_instance(Path(manifest.control_dir))
-    if pid is None:
-        raise ProcessTreeError(None, f"no restored server of {image} is running", phase="stop")
-    _restore.stop_server(pid)
+    image = str(Path(target).absolute())
+    chosen = [r for r in running_instances() if target == r.id or image == r.image]
+    if not chosen:
+        raise ProcessTreeError(None, f"no running instance of {target}", phase="stop", hint="vsnap ps lists them")
+    for record in chosen:
+        _restore.stop_server(record)
     if as_json:
-        _render.print_json("stop", {"pid": pid, "stopped": True})
+        _render.print_json("stop", {"stopped": [{"id": r.id, "pid": r.pid} for r in chosen]})
     else:
-        _render.stdout.print(f"stopped pid {pid}")
+        for record in chosen:
+            _render.stdout.print(f"stopped {record.id} (pid {record.pid})")
