@@ -24,6 +24,7 @@ from vsnap._capture import capture_image, launch_config, resolve_model, tree_env
 from vsnap._control import Activation
 from vsnap._host import host_facts
 from vsnap._instances import new_instance_dir
+from vsnap._shm import instance_shm_dir, remove_instance_shm
 from vsnap._proctree import kill_tree, launch_tree
 from vsnap._restore import _wait_status, restore_image, stop_server
 from vsnap._spec import ModelSpec
@@ -38,11 +39,12 @@ def first_token(url: str) -> None:
 
 def cold_start(spec: ModelSpec, work: Path) -> float:
     control_dir = control.ensure_private_dir(work / "cold")
-    _, instance = new_instance_dir(control_dir, "cold")
+    instance_id, instance = new_instance_dir(control_dir, "cold")
     control.write_message(instance, control.LAUNCH, launch_config(spec, resolve_model(spec)))
     heartbeat = control.OwnerHeartbeat(instance).start()
     start = time.monotonic()
-    tree = launch_tree(control_dir, instance, tree_environment(control_dir, instance))
+    shm = instance_shm_dir(instance_id)
+    tree = launch_tree(control_dir, instance, shm, tree_environment(control_dir, instance))
     try:
         wait_ready(tree, instance, 300)
         control.write_message(instance, control.ACTIVATION, Activation(host="127.0.0.1", port=0))
@@ -53,6 +55,7 @@ def cold_start(spec: ModelSpec, work: Path) -> float:
         heartbeat.stop()
         kill_tree(tree.root_pid)
         tree.unshare.wait()
+        remove_instance_shm(shm)
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ from ._image import check_parent, checksum_tree, image_lock, make_staging, publi
 from ._instances import new_instance_dir
 from ._manifest import CRIU_DIR, DUMP_LOG, ENGINE_LOG, FORMAT_VERSION, MANIFEST, SHM_DIR, Dependency, HostFacts, Manifest
 from ._proctree import LaunchedTree, kill_tree, launch_tree, mapped_and_open_files, tree_pids, wait_gone
-from ._shm import SHM, link_remap_files
+from ._shm import SHM, instance_shm_dir, link_remap_files, remove_instance_shm
 from ._spec import ModelSpec
 
 DEFAULT_MODEL_ROOT = Path("/var/lib/vsnap/models")
@@ -190,19 +190,19 @@ def capture_image(spec: ModelSpec, *, image_dir: Path | None = None, force: bool
         with timings.phase("prepare model"):
             model_dir = resolve_model(spec)
         control.ensure_private_dir(control_dir)  # the mount point inside the tree
-        _, work = new_instance_dir(control_dir, "capture")  # bound there: this capture's files
+        instance_id, work = new_instance_dir(control_dir, "capture")  # bound there: this capture's files
+        shm_dir = instance_shm_dir(instance_id)  # bound at /dev/shm in the tree
         launch = launch_config(spec, model_dir)
         control.write_message(work, control.LAUNCH, launch)
         env = tree_environment(control_dir, work, spec.engine)
         if spec.engine == "vllm":
             env.setdefault("CUDA_VISIBLE_DEVICES", capture_gpu_uuid())
         staging = make_staging(image_dir)
-        shm_before = set(link_remap_files())
         tree: LaunchedTree | None = None
         heartbeat = control.OwnerHeartbeat(work).start()
         try:
             with timings.phase("launch"):
-                tree = launch_tree(control_dir, work, env)
+                tree = launch_tree(control_dir, work, shm_dir, env)
             with timings.phase("boot engine"):
                 ready = wait_ready(tree, work, spec.snapshot.timeout_s)
             pids = tree_pids(tree.root_pid)
@@ -210,8 +210,9 @@ def capture_image(spec: ModelSpec, *, image_dir: Path | None = None, force: bool
             with open(f"/proc/{tree.root_pid}/mountinfo") as f:
                 externals = external_mounts(f.read())
             control_key = next((k for k, mountpoint in externals.items() if mountpoint == str(control_dir)), None)
-            if control_key is None:
-                raise ProcessTreeError(tree.root_pid, f"the tree has no mount at its control directory {control_dir}",
+            shm_key = next((k for k, mountpoint in externals.items() if mountpoint == str(SHM)), None)
+            if control_key is None or shm_key is None:
+                raise ProcessTreeError(tree.root_pid, f"the tree lacks its mounts at {control_dir} and {SHM}",
                                        phase="boot engine", log_path=work / control.ENGINE_LOG)
             facts = host_facts(spec.engine, visible=env.get("CUDA_VISIBLE_DEVICES"))
             (staging / CRIU_DIR).mkdir()
@@ -235,11 +236,11 @@ def capture_image(spec: ModelSpec, *, image_dir: Path | None = None, force: bool
                 if left:
                     raise ImageError(f"processes {left} of the tree survived the dump")
                 tree.unshare.wait(timeout=30)
-            shm_files = sorted(set(link_remap_files()) - shm_before)
+            shm_files = link_remap_files(shm_dir)
             if shm_files:
                 (staging / SHM_DIR).mkdir()
                 for name in shm_files:
-                    shutil.move(str(SHM / name), staging / SHM_DIR / name)
+                    shutil.move(str(shm_dir / name), staging / SHM_DIR / name)
             shutil.copy2(work / control.ENGINE_LOG, staging / ENGINE_LOG)
             with timings.phase("publish"):
                 files = checksum_tree(staging)
@@ -248,7 +249,7 @@ def capture_image(spec: ModelSpec, *, image_dir: Path | None = None, force: bool
                     format_version=FORMAT_VERSION,
                     created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                     name=spec.name, engine=spec.engine, spec=spec.model_dump(mode="json"), launch=launch,
-                    control_dir=str(control_dir), control_mount_key=control_key, oracle=ready.oracle, host=facts,
+                    control_dir=str(control_dir), control_mount_key=control_key, shm_mount_key=shm_key, oracle=ready.oracle, host=facts,
                     externals=externals, shm_files=shm_files, cuda_processes=len(cuda_pids),
                     gpu_memory_required=gpu_memory_required(spec, facts), dependencies=dependencies,
                     timings={**timings.seconds, "engine_boot_to_ready": ready.times.get("prepared", 0)
@@ -267,11 +268,11 @@ def capture_image(spec: ModelSpec, *, image_dir: Path | None = None, force: bool
                     tree.unshare.kill()
                 tree.unshare.wait()
             shutil.rmtree(staging, ignore_errors=True)
-            for name in set(link_remap_files()) - shm_before:
-                (SHM / name).unlink(missing_ok=True)
+            remove_instance_shm(shm_dir)
             raise  # the capture's instance directory stays, with the engine log the error names
         heartbeat.stop()
         shutil.rmtree(work, ignore_errors=True)
+        remove_instance_shm(shm_dir)
     return CaptureResult(image_dir, manifest, dict(timings.seconds), image_bytes, image_dir / ENGINE_LOG)
 
 

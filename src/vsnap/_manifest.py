@@ -61,10 +61,11 @@ class Manifest(_Frozen):
     launch: LaunchConfig
     control_dir: str                   # the path the tree sees; each instance binds its own directory there
     control_mount_key: str             # the CRIU external key of that bind mount
+    shm_mount_key: str                 # the key of the tree's /dev/shm (a per-instance directory too)
     oracle: Oracle
     host: HostFacts
     externals: dict[str, str]          # CRIU mount key -> mount point
-    shm_files: list[str] = Field(default_factory=list)  # link-remap files to put back in /dev/shm
+    shm_files: list[str] = Field(default_factory=list)  # link-remap files to put back in the tree's /dev/shm
     cuda_processes: int = 0            # processes whose CUDA state was checkpointed
     gpu_memory_required: int | None = None  # free GPU memory a restore needs (vLLM's share once awake)
     dependencies: list[Dependency] = Field(default_factory=list)

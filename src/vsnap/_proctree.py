@@ -46,14 +46,18 @@ class LaunchedTree:
 
 
 # Inside the new mount namespace (private propagation), bind the instance directory at the
-# control path, then become the engine: PID 1 stays the engine after exec.
-_BIND_AND_EXEC = 'mount --bind "$1" "$2" && exec "$3" -m vsnap.engine "$2"'
+# control path and the instance's shm directory at /dev/shm, then become the engine: PID 1 stays
+# the engine after exec.
+_BIND_AND_EXEC = 'mount --bind "$1" "$2" && mount --bind "$4" /dev/shm && exec "$3" -m vsnap.engine "$2"'
 
 
-def launch_tree(control_dir: Path, instance_dir: Path, env: dict[str, str], timeout_s: float = 30) -> LaunchedTree:
-    """Start the engine root as PID 1 of new PID and mount namespaces, ``instance_dir`` bound at ``control_dir``."""
+def launch_tree(control_dir: Path, instance_dir: Path, shm_dir: Path, env: dict[str, str],
+                timeout_s: float = 30) -> LaunchedTree:
+    """Start the engine root as PID 1 of new PID and mount namespaces, with ``instance_dir`` bound at
+    ``control_dir`` and ``shm_dir`` (a directory in the host's /dev/shm) at /dev/shm."""
     argv = [find_unshare(), "--pid", "--fork", "--mount-proc", "--propagation", "private",
-            "sh", "-c", _BIND_AND_EXEC, "vsnap-engine", str(instance_dir), str(control_dir), sys.executable]
+            "sh", "-c", _BIND_AND_EXEC, "vsnap-engine", str(instance_dir), str(control_dir), sys.executable,
+            str(shm_dir)]
     log_path = instance_dir / "engine.log"
     # 0600 from the start: CRIU checks the log's mode when it reopens it at restore
     log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)

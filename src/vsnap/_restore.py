@@ -26,7 +26,7 @@ from ._image import verify_files
 from ._manifest import CRIU_DIR, ENGINE_LOG, SHM_DIR, Manifest, read_manifest
 from ._instances import InstanceRecord, new_instance_dir, register, unregister
 from ._proctree import alive, become_subreaper, kill_tree, reap, tree_pids
-from ._shm import SHM, put_back
+from ._shm import instance_shm_dir, put_back, remove_instance_shm
 
 RESTORE_LOG = "restore.log"
 RESTORE_PID = "restore.pid"
@@ -148,10 +148,11 @@ def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000,
         shutil.copy2(image_dir / ENGINE_LOG, work / control.ENGINE_LOG)
         if manifest.engine == "vllm":
             (work / "rpc").mkdir(mode=0o700)
-        put_back(image_dir / SHM_DIR, manifest.shm_files)
+        shm_dir = instance_shm_dir(instance_id)
+        put_back(image_dir / SHM_DIR, manifest.shm_files, shm_dir)
         become_subreaper()
     engine_log = work / control.ENGINE_LOG
-    externals = {**manifest.externals, manifest.control_mount_key: str(work)}
+    externals = {**manifest.externals, manifest.control_mount_key: str(work), manifest.shm_mount_key: str(shm_dir)}
     pid: int | None = None
     restored_pid: list[int] = []
     heartbeat = control.OwnerHeartbeat(work, while_alive=lambda: not restored_pid or alive(restored_pid[0]))
@@ -186,8 +187,7 @@ def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000,
         heartbeat.stop()
         if pid is not None:
             kill_tree(pid)
-        for name in manifest.shm_files:
-            (SHM / name).unlink(missing_ok=True)
+        remove_instance_shm(shm_dir)
         raise  # the instance directory stays, with the logs the error names
     register(InstanceRecord(id=instance_id, image=str(image_dir), name=manifest.name, pid=pid, url=server.url,
                             port=server.port, gpu=server.gpu, instance_dir=str(work), started_at=time.time()))
@@ -215,6 +215,7 @@ def stop_server(server: RestoredServer | InstanceRecord, grace_s: float = 10.0) 
     reap(pid)
     unregister(instance_id)
     shutil.rmtree(work, ignore_errors=True)
+    remove_instance_shm(instance_shm_dir(instance_id))
 
 
 def choose_gpu(manifest: Manifest, requested: str | None) -> dict:

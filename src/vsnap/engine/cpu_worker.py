@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 
-def serve_pipe(conn: Connection, model_dir: str) -> None:
+def serve_pipe(conn: Connection, model_dir: str, loaded: Any) -> None:
     import torch
 
     from . import cpu_model
@@ -21,6 +21,7 @@ def serve_pipe(conn: Connection, model_dir: str) -> None:
     directory = Path(model_dir)
     model = cpu_model.TinyDecoder(cpu_model.read_config(directory)).eval()
     cpu_model.load_weights(model, directory)
+    loaded.set()  # a multiprocessing.Event: a POSIX semaphore, as vLLM's processes hold too
     handlers: dict[str, Any] = {
         "ping": lambda: "pong",
         "generate": lambda prompt, max_tokens, top_k, max_len: cpu_model.generate(model, prompt, max_tokens, top_k, max_len),

@@ -61,10 +61,22 @@ class CpuAdapter(EngineAdapter):
 
         context = multiprocessing.get_context("spawn")
         parent, child = context.Pipe()
-        self._process = context.Process(target=serve_pipe, args=(child, self.launch.model), name="vsnap-cpu-worker")
+        # The event is a POSIX semaphore in /dev/shm, unlinked at once but held open: the image
+        # carries a CRIU link-remap file for it, as vLLM's images do.
+        self._loaded = context.Event()
+        self._process = context.Process(target=serve_pipe, args=(child, self.launch.model, self._loaded),
+                                        name="vsnap-cpu-worker")
         self._process.start()
         child.close()
         self._conn = parent
+        loop = asyncio.get_running_loop()
+        deadline = time.monotonic() + 120
+        while not await loop.run_in_executor(None, self._loaded.wait, 0.2):
+            if not self._process.is_alive():
+                raise EngineError("build engine", "WorkerDied",
+                                  f"the worker exited with code {self._process.exitcode} while loading the model")
+            if time.monotonic() > deadline:
+                raise EngineError("build engine", "WorkerTimeout", "the worker did not load the model within 120 s")
         if await self.call("ping") != "pong":
             raise EngineError("build engine", "WorkerProtocol", "the worker did not answer ping")
 
