@@ -26,7 +26,7 @@ from vsnap._host import host_facts
 from vsnap._instances import new_instance_dir
 from vsnap._shm import instance_shm_dir, remove_instance_shm
 from vsnap._proctree import kill_tree, launch_tree
-from vsnap._restore import _wait_status, restore_image, stop_server
+from vsnap._restore import _wait_status, hand_over_listener, restore_image, stop_server
 from vsnap._spec import ModelSpec
 
 
@@ -48,7 +48,8 @@ def cold_start(spec: ModelSpec, work: Path) -> float:
     try:
         wait_ready(tree, instance, 300)
         control.write_message(instance, control.ACTIVATION, Activation(host="127.0.0.1", port=0))
-        status = _wait_status(instance, tree.root_pid, ("serving",), "serve", instance / control.ENGINE_LOG)
+        _wait_status(instance, tree.root_pid, ("validated",), "recover", instance / control.ENGINE_LOG)
+        status = hand_over_listener(instance, tree.root_pid, "127.0.0.1", 0, instance / control.ENGINE_LOG)
         first_token(f"http://127.0.0.1:{status.detail['port']}")
         return time.monotonic() - start
     finally:

@@ -24,6 +24,7 @@ from ._image import check_parent, checksum_tree, image_lock, make_staging, publi
 from ._instances import new_instance_dir
 from ._manifest import CRIU_DIR, DUMP_LOG, ENGINE_LOG, FORMAT_VERSION, MANIFEST, SHM_DIR, Dependency, HostFacts, Manifest
 from ._proctree import LaunchedTree, kill_tree, launch_tree, mapped_and_open_files, tree_pids, wait_gone
+from ._netns import NETNS_KEY, netns_inode
 from ._shm import SHM, instance_shm_dir, link_remap_files, remove_instance_shm
 from ._spec import ModelSpec
 
@@ -229,7 +230,8 @@ def capture_image(spec: ModelSpec, *, image_dir: Path | None = None, force: bool
                 require_space(staging, pids)
                 try:
                     runner.dump(DumpOptions(pid=tree.root_pid, images_dir=staging / CRIU_DIR,
-                                            log_file=staging / DUMP_LOG, externals=externals))
+                                            log_file=staging / DUMP_LOG, externals=externals,
+                                            external_netns=(netns_inode(tree.root_pid), NETNS_KEY)))
                 except CriuError as error:
                     raise dump_failure(error, staging, work) from None
                 left = wait_gone(pids, 30)
@@ -249,7 +251,8 @@ def capture_image(spec: ModelSpec, *, image_dir: Path | None = None, force: bool
                     format_version=FORMAT_VERSION,
                     created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                     name=spec.name, engine=spec.engine, spec=spec.model_dump(mode="json"), launch=launch,
-                    control_dir=str(control_dir), control_mount_key=control_key, shm_mount_key=shm_key, oracle=ready.oracle, host=facts,
+                    control_dir=str(control_dir), control_mount_key=control_key, shm_mount_key=shm_key, netns_key=NETNS_KEY,
+                    oracle=ready.oracle, host=facts,
                     externals=externals, shm_files=shm_files, cuda_processes=len(cuda_pids),
                     gpu_memory_required=gpu_memory_required(spec, facts), dependencies=dependencies,
                     timings={**timings.seconds, "engine_boot_to_ready": ready.times.get("prepared", 0)

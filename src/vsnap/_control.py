@@ -19,7 +19,9 @@ import errno
 import fcntl
 import json
 import os
+import socket
 import stat
+import struct
 import threading
 import time
 from pathlib import Path
@@ -37,6 +39,7 @@ ACTIVATION = "activation.json"
 STATUS = "status.json"
 ERROR = "error.json"
 OWNER = "owner.json"
+LISTENER = "listen.sock"  # where the engine receives its HTTP socket (SCM_RIGHTS) after validation
 ENGINE_LOG = "engine.log"
 CONTROL_FILES = (READY, ACTIVATION, STATUS, ERROR, OWNER)
 
@@ -308,6 +311,58 @@ class OwnerHeartbeat:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _short_path(directory: Path, name: str) -> tuple[int, str]:
+    """An AF_UNIX path for directory/name that fits the 108-byte limit: /proc/self/fd/N/name."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    return fd, f"/proc/self/fd/{fd}/{name}"
+
+
+def open_handoff(directory: Path) -> socket.socket:
+    """Engine side: listen on directory/listen.sock for the HTTP socket."""
+    fd, path = _short_path(directory, LISTENER)
+    try:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        server.bind(path)
+        os.chmod(path, 0o600)
+        server.listen(1)
+        return server
+    finally:
+        os.close(fd)
+
+
+def receive_listener(server: socket.socket, timeout_s: float) -> socket.socket:
+    """Engine side: accept one connection and take the listening TCP socket it carries."""
+    server.settimeout(timeout_s)
+    try:
+        conn, _ = server.accept()
+    except socket.timeout:
+        raise PhaseTimeout("wait for the HTTP socket", timeout_s) from None
+    with conn:
+        peer_uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[1]
+        if peer_uid != os.geteuid():
+            raise ControlProtocolError(LISTENER, f"the HTTP socket came from uid {peer_uid}, not from us")
+        _, fds, _, _ = socket.recv_fds(conn, 16, 1)
+    if not fds:
+        raise ControlProtocolError(LISTENER, "no socket was passed")
+    return socket.socket(fileno=fds[0])
+
+
+def send_listener(directory: Path, listener: socket.socket, timeout_s: float = 30) -> None:
+    """Orchestrator side: pass the bound, listening TCP socket into the tree."""
+    fd, path = _short_path(directory, LISTENER)
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.settimeout(timeout_s)
+            conn.connect(path)
+            socket.send_fds(conn, [b"listener"], [listener.fileno()])
+    finally:
+        os.close(fd)
 
 
 def owner_gone(control_dir: Path, now: float | None = None) -> str | None:

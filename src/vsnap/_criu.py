@@ -109,12 +109,13 @@ class CriuRunner:
             raise HostNotReady("criu check", f"criu check failed: {errors[-1] if errors else out.returncode}",
                                hint="this kernel or container lacks a feature CRIU needs; see `criu check`")
 
-    def _run(self, action: str, argv: list[str], log_file: Path, timeout_s: float) -> None:
+    def _run(self, action: str, argv: list[str], log_file: Path, timeout_s: float,
+             pass_fds: tuple[int, ...] = ()) -> None:
         log_file.parent.mkdir(parents=True, exist_ok=True)
         Path(f"{log_file}.argv").write_text(" ".join([str(self.binary), *argv]) + "\n")
         try:
             out = subprocess.run([str(self.binary), *argv], capture_output=True, text=True, timeout=timeout_s,
-                                 stdin=subprocess.DEVNULL)
+                                 stdin=subprocess.DEVNULL, pass_fds=pass_fds)
         except subprocess.TimeoutExpired:
             raise CriuError(action, -1, log_file, f"criu {action} ran longer than {timeout_s:g} s",
                             hint="the tree may be stuck in the kernel; see the log") from None
@@ -131,7 +132,7 @@ class CriuRunner:
             options.pidfile.unlink()
         except FileNotFoundError:
             pass
-        self._run("restore", options.to_argv(), options.log_file, timeout_s)
+        self._run("restore", options.to_argv(), options.log_file, timeout_s, pass_fds=tuple(options.inherit_fds))
         try:
             return int(options.pidfile.read_text().strip())
         except (OSError, ValueError):

@@ -37,6 +37,7 @@ class DumpOptions:
     images_dir: Path
     log_file: Path
     externals: dict[str, str] = field(default_factory=dict)  # key -> mount point
+    external_netns: tuple[int, str] | None = None  # (inode, key): not dumped, provided at restore
     ghost_limit: str = "512M"
     leave_running: bool = False
 
@@ -51,6 +52,9 @@ class DumpOptions:
             argv.append("--leave-running")
         for key, mountpoint in self.externals.items():
             argv += ["--external", f"mnt[{mountpoint}]:{key}"]
+        if self.external_netns:
+            inode, key = self.external_netns
+            argv += ["--external", f"net[{inode}]:{key}"]
         return argv
 
 
@@ -61,6 +65,7 @@ class RestoreOptions:
     log_file: Path
     pidfile: Path
     externals: dict[str, str] = field(default_factory=dict)  # key -> mount point
+    inherit_fds: dict[int, str] = field(default_factory=dict)  # fd of this process -> external key
 
     def to_argv(self) -> list[str]:
         argv = [
@@ -70,4 +75,6 @@ class RestoreOptions:
         ]
         for key, mountpoint in self.externals.items():
             argv += ["--external", f"mnt[{key}]:{mountpoint}"]
+        for fd, key in self.inherit_fds.items():
+            argv += ["--inherit-fd", f"fd[{fd}]:{key}"]
         return argv

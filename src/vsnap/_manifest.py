@@ -62,6 +62,7 @@ class Manifest(_Frozen):
     control_dir: str                   # the path the tree sees; each instance binds its own directory there
     control_mount_key: str             # the CRIU external key of that bind mount
     shm_mount_key: str                 # the key of the tree's /dev/shm (a per-instance directory too)
+    netns_key: str                     # the tree's network namespace: external, a fresh one per restore
     oracle: Oracle
     host: HostFacts
     externals: dict[str, str]          # CRIU mount key -> mount point

@@ -53,9 +53,9 @@ _BIND_AND_EXEC = 'mount --bind "$1" "$2" && mount --bind "$4" /dev/shm && exec "
 
 def launch_tree(control_dir: Path, instance_dir: Path, shm_dir: Path, env: dict[str, str],
                 timeout_s: float = 30) -> LaunchedTree:
-    """Start the engine root as PID 1 of new PID and mount namespaces, with ``instance_dir`` bound at
+    """Start the engine root as PID 1 of new PID, mount and network namespaces, with ``instance_dir`` bound at
     ``control_dir`` and ``shm_dir`` (a directory in the host's /dev/shm) at /dev/shm."""
-    argv = [find_unshare(), "--pid", "--fork", "--mount-proc", "--propagation", "private",
+    argv = [find_unshare(), "--pid", "--fork", "--mount-proc", "--net", "--propagation", "private",
             "sh", "-c", _BIND_AND_EXEC, "vsnap-engine", str(instance_dir), str(control_dir), sys.executable,
             str(shm_dir)]
     log_path = instance_dir / "engine.log"

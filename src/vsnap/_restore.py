@@ -24,6 +24,7 @@ from ._events import ProgressCallback, Timings
 from ._host import check_criu, check_root, require_host_matches
 from ._image import verify_files
 from ._manifest import CRIU_DIR, ENGINE_LOG, SHM_DIR, Manifest, read_manifest
+from ._netns import NetnsHolder
 from ._instances import InstanceRecord, new_instance_dir, register, unregister
 from ._proctree import alive, become_subreaper, kill_tree, reap, tree_pids
 from ._shm import instance_shm_dir, put_back, remove_instance_shm
@@ -101,6 +102,28 @@ def _wait_status(control_dir: Path, pid: int, want: tuple[str, ...], phase: str,
     return control.wait_until(probe, timeout_s=RECOVER_TIMEOUT_S, phase=phase, interval_s=0.005, log_path=log)
 
 
+def bind_listener(host: str, port: int) -> socket.socket:
+    """The HTTP socket, bound on the host (the tree's own network namespace is not reachable)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(512)
+    except OSError as exc:
+        sock.close()
+        raise HostNotReady("port", f"cannot serve on {host}:{port}: {exc.strerror}",
+                           hint="choose another --port, or stop what listens there") from None
+    return sock
+
+
+def hand_over_listener(work: Path, pid: int, host: str, port: int, log: Path) -> Status:
+    """Bind host:port here, pass the socket into the validated tree, wait until it serves."""
+    with bind_listener(host, port) as listener:
+        control.send_listener(work, listener)
+    return _wait_status(work, pid, ("serving",), "serve", log)
+
+
 def health_check(url: str, timeout_s: float = 30) -> None:
     deadline = time.monotonic() + timeout_s
     last = ""
@@ -157,12 +180,15 @@ def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000,
     restored_pid: list[int] = []
     heartbeat = control.OwnerHeartbeat(work, while_alive=lambda: not restored_pid or alive(restored_pid[0]))
     heartbeat.start()
+    netns: NetnsHolder | None = None
     try:
         with timings.phase("criu restore"):
+            netns = NetnsHolder()
             pid = CriuRunner.locate().restore(RestoreOptions(
                 images_dir=image_dir / CRIU_DIR, work_dir=work, log_file=work / RESTORE_LOG,
-                pidfile=work / RESTORE_PID, externals=externals))
+                pidfile=work / RESTORE_PID, externals=externals, inherit_fds={netns.fd: manifest.netns_key}))
             restored_pid.append(pid)
+            netns.close()  # the restored tree keeps the namespace alive
         if manifest.cuda_processes:
             from ._cuda import CudaCheckpoint
 
@@ -177,14 +203,16 @@ def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000,
                 cuda.restore(cuda_pids, gpu_pairs=pairs)
         with timings.phase("recover"):
             control.write_message(work, control.ACTIVATION, Activation(host=host, port=port))
-            validated = _wait_status(work, pid, ("validated", "serving"), "recover", engine_log)
+            validated = _wait_status(work, pid, ("validated",), "recover", engine_log)
         with timings.phase("serve"):
-            serving = _wait_status(work, pid, ("serving",), "serve", engine_log)
+            serving = hand_over_listener(work, pid, host, port, engine_log)
             server = RestoredServer(pid, host, int(serving.detail.get("port", port)), image_dir, instance_id, work,
                                     gpu=target["uuid"] if target else None)
             health_check(server.url)
     except BaseException:
         heartbeat.stop()
+        if netns is not None:
+            netns.close()
         if pid is not None:
             kill_tree(pid)
         remove_instance_shm(shm_dir)

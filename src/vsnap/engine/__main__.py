@@ -94,6 +94,9 @@ def main() -> int:
     except OSError:
         pass
     _reopen_stdio(control_dir / ENGINE_LOG)
+    from .._loopback import loopback_up
+
+    loopback_up()  # the tree's own network namespace starts with lo down
     print(f"vsnap engine root pid {os.getpid()} starting", flush=True)
     if os.getpid() == 1:
         threading.Thread(target=_reap_orphans, name="reaper", daemon=True).start()

@@ -32,20 +32,6 @@ async def wait_for_activation(control_dir: Path, timeout_s: float) -> Activation
         budget.tick()
 
 
-def bind_server_socket(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-        sock.listen(256)
-    except OSError:
-        sock.close()
-        raise
-    sock.setblocking(False)
-    return sock
-
-
 async def run_engine(control_dir: Path) -> None:
     launch = control.read_message(control_dir, control.LAUNCH, LaunchConfig)
     if launch is None:
@@ -72,10 +58,18 @@ async def run_engine(control_dir: Path) -> None:
         again = await adapter.run_oracle()
         recovery["oracle_checked"] = time.time()
         worst = compare_oracles(oracle, again, launch.oracle_tolerance)
+        # The tree has its own network namespace: the orchestrator binds the HTTP socket on the
+        # host and passes it in, only now that the oracle has passed.
+        handoff = control.open_handoff(control_dir)
         control.write_message(control_dir, control.STATUS, Status(
             state="validated", times=recovery, detail={**detail, "oracle_max_abs_diff": worst}))
         phase = "serve"
-        sock = bind_server_socket(activation.host, activation.port)
+        try:
+            sock = await asyncio.get_running_loop().run_in_executor(
+                None, control.receive_listener, handoff, launch.timeout_s)
+        finally:
+            handoff.close()
+            (control_dir / control.LISTENER).unlink(missing_ok=True)
         port = sock.getsockname()[1]
         recovery["bound"] = time.time()
         control.write_message(control_dir, control.STATUS, Status(
