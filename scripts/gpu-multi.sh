@@ -53,7 +53,7 @@ p0=$!
 p1=$!
 wait $p0; rc0=$?; wait $p1; rc1=$?
 t1=$(date +%s.%N)
-echo "restore rc gpu0=$rc0 gpu1=$rc1"; tail -9 "$OUT/restore-gpu0.err" "$OUT/restore-gpu1.err"
+echo "restore rc gpu0=$rc0 gpu1=$rc1"; tail -n 9 "$OUT/restore-gpu0.err" "$OUT/restore-gpu1.err"
 "$PY" -c "import sys; print(f'both restores (in parallel): {float(sys.argv[2]) - float(sys.argv[1]):.2f} s')" "$t0" "$t1" | tee "$OUT/parallel.txt"
 "${VSNAP[@]}" ps | tee "$OUT/ps.txt"
 nvidia-smi --query-gpu=index,memory.used --format=csv,noheader | tee "$OUT/gpu-mem-serving.txt"

@@ -101,24 +101,42 @@ class CudaCheckpoint:
         ``gpu_pairs`` maps a captured GPU's UUID to the one to restore onto (every GPU the process
         saw must appear; vsnap captures with one visible GPU).
         """
-        args = None
-        if gpu_pairs:
-            try:
-                args = self._restore_args(gpu_pairs)
-            except (AttributeError, TypeError, ValueError):
-                args = None  # this cuda-bindings cannot build the struct: call the driver through ctypes
         for pid in pids:
             if self.state(pid) != "checkpointed":
                 continue
-            if gpu_pairs and args is None:
-                result = _ctypes_restore(pid, gpu_pairs)
-                if result != 0:
-                    raise CudaCheckpointError(pid, "cuCheckpointProcessRestore", f"CUresult {result}")
+            if not gpu_pairs:
+                self._call(pid, "cuCheckpointProcessRestore", None)
+                continue
+            errors = []
+            for pairs in gpu_pair_candidates(gpu_pairs):
+                try:
+                    args = self._restore_args(pairs)
+                except (AttributeError, TypeError, ValueError):
+                    args = None  # this cuda-bindings cannot build the struct: the C ABI through ctypes
+                result = (_ctypes_restore(pid, pairs) if args is None
+                          else int(self.driver.cuCheckpointProcessRestore(pid, args)[0]))
+                if result == 0:
+                    break
+                errors.append(f"{len(pairs)} pair(s) via {'ctypes' if args is None else 'cuda-bindings'}: CUresult {result}")
             else:
-                self._call(pid, "cuCheckpointProcessRestore", args)
+                raise CudaCheckpointError(pid, "cuCheckpointProcessRestore", "; ".join(errors))
         for pid in pids:
             if self.state(pid) == "locked":
                 self._call(pid, "cuCheckpointProcessUnlock", None)
+
+
+def gpu_pair_candidates(gpu_pairs: list[tuple[str, str]]) -> list[list[tuple[str, str]]]:
+    """GPU maps to try: first a permutation of every GPU of this host (the driver wants each GPU it
+    sees mapped), then exactly the pairs asked for."""
+    try:
+        _, _, gpus = gpu_facts()
+    except Exception:
+        gpus = []
+    swap = {old: new for old, new in gpu_pairs}
+    swap.update({new: old for old, new in gpu_pairs if new not in swap})
+    every = [(g["uuid"], swap.get(g["uuid"], g["uuid"])) for g in gpus]
+    candidates = [every] if every and set(every) != set(gpu_pairs) else []
+    return candidates + [list(gpu_pairs)]
 
 
 def _uuid_bytes(text: str) -> bytes:

@@ -98,3 +98,34 @@ def test_wait_times_out_on_real_waiting(monkeypatch: pytest.MonkeyPatch) -> None
     with pytest.raises(PhaseTimeout, match="wait did not finish within 2 s"):
         control.wait_until(lambda: None, timeout_s=2, phase="wait", interval_s=0.5)
     assert 2 <= clock[0] <= 3
+
+
+def test_listener_handoff_passes_a_bound_socket(ctl: Path) -> None:
+    """The engine receives the HTTP socket the orchestrator bound (what crosses network namespaces)."""
+    import socket
+    import threading
+
+    server = control.open_handoff(ctl)
+    received: list[socket.socket] = []
+    thread = threading.Thread(target=lambda: received.append(control.receive_listener(server, 10)))
+    thread.start()
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        control.send_listener(ctl, listener)
+        port = listener.getsockname()[1]
+    thread.join(10)
+    server.close()
+    assert received and received[0].getsockname()[1] == port
+    received[0].close()
+
+
+def test_owner_heartbeat(ctl: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert control.owner_gone(ctl) == "no owner file"
+    beat = control.OwnerHeartbeat(ctl)
+    beat.beat()
+    assert control.owner_gone(ctl) is None
+    import time as real_time
+
+    later = real_time.time() + control.OWNER_TIMEOUT_S + 1
+    assert "silent" in (control.owner_gone(ctl, now=later) or "")
+    beat.detach()
+    assert control.owner_gone(ctl, now=later) is None

@@ -28,17 +28,19 @@ def test_dump_argv() -> None:
     assert argv[argv.index("--ghost-limit") + 1] == "512M"
     assert argv[-2:] == ["--external", "mnt[/dev]:m0"]
     assert "--leave-running" not in argv
+    with_netns = DumpOptions(pid=42, images_dir=Path("/img"), log_file=Path("/l"), external_netns=(4026532345, "net0"))
+    assert with_netns.to_argv()[-2:] == ["--external", "net[4026532345]:net0"]
 
 
 def test_restore_argv() -> None:
     argv = RestoreOptions(images_dir=Path("/img"), work_dir=Path("/ctl"), log_file=Path("/ctl/r.log"),
-                          pidfile=Path("/ctl/pid"), externals={"m0": "/dev"}).to_argv()
+                          pidfile=Path("/ctl/pid"), externals={"m0": "/dev"}, inherit_fds={5: "net0"}).to_argv()
     assert argv[0] == "restore"
     assert "--restore-detached" in argv
     assert argv[argv.index("--work-dir") + 1] == "/ctl"
     assert argv[argv.index("--pidfile") + 1] == "/ctl/pid"
     assert argv[argv.index("--root") + 1] == "/"
-    assert argv[-2:] == ["--external", "mnt[m0]:/dev"]
+    assert argv[-4:] == ["--external", "mnt[m0]:/dev", "--inherit-fd", "fd[5]:net0"]
 
 
 def test_parse_version() -> None:

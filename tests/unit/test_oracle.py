@@ -34,3 +34,4 @@ def test_nan_and_missing_fail_closed() -> None:
     shorter = Oracle(samples=[OracleSample(prompt="p", token_ids=[1], logprobs=[{"1": -1.0}])])
     with pytest.raises(OracleMismatch, match="absent"):
         compare_oracles(oracle([1]), shorter, 1.0)
+
