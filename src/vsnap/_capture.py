@@ -171,8 +171,10 @@ def dump_failure(error: CriuError, staging: Path, control_dir: Path) -> Checkpoi
 
 
 def capture_image(spec: ModelSpec, *, image_dir: Path | None = None, force: bool = False,
-                  on_event: ProgressCallback | None = None) -> CaptureResult:
-    """Boot ``spec``'s engine, checkpoint it at the barrier and publish the image."""
+                  env: dict[str, str] | None = None, on_event: ProgressCallback | None = None) -> CaptureResult:
+    """Boot ``spec``'s engine, checkpoint it at the barrier and publish the image (``env``: more
+    environment for the tree, e.g. a compile cache)."""
+    extra_env = env
     image_dir = Path(image_dir or spec.image_dir).absolute()
     control_dir = spec.control_dir
     timings = Timings(on_event)
@@ -195,7 +197,7 @@ def capture_image(spec: ModelSpec, *, image_dir: Path | None = None, force: bool
         shm_dir = instance_shm_dir(instance_id)  # bound at /dev/shm in the tree
         launch = launch_config(spec, model_dir)
         control.write_message(work, control.LAUNCH, launch)
-        env = tree_environment(control_dir, work, spec.engine)
+        env = {**tree_environment(control_dir, work, spec.engine), **(extra_env or {})}
         if spec.engine == "vllm":
             env.setdefault("CUDA_VISIBLE_DEVICES", capture_gpu_uuid())
         staging = make_staging(image_dir)

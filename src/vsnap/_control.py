@@ -71,6 +71,8 @@ class LaunchConfig(_Message):
     oracle_top_k: int
     oracle_tolerance: float
     timeout_s: float
+    # "snapshot": stop at the capture barrier; "serve": a plain cold start (what `vsnap bench` times)
+    mode: Literal["snapshot", "serve"] = "snapshot"
 
 
 class Ready(_Message):

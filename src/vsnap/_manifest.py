@@ -26,6 +26,9 @@ class _Frozen(BaseModel):
 
 
 class FileEntry(_Frozen):
+    """``sha256``: of the file if it is at most 64 MiB, else of the concatenated hex sha256 of its
+    64 MiB pieces (so verification runs on every core)."""
+
     size: int
     sha256: str
 

@@ -10,41 +10,58 @@ to CRIU (as runc does): the dump does not save it, and each restore hands CRIU a
 
 from __future__ import annotations
 
+import ctypes
 import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
+import threading
 
 from ._errors import ProcessTreeError
-from ._proctree import find_unshare
+from ._loopback import loopback_up
 
 NETNS_KEY = "vsnap-net"
+
+
 def netns_inode(pid: int) -> int:
     return os.stat(f"/proc/{pid}/ns/net").st_ino
 
 
+CLONE_NEWNET = 0x40000000
+
+
 class NetnsHolder:
-    """A process that creates a fresh network namespace (loopback up) and keeps it alive until a
-    restore has put the tree into it; ``fd`` is the namespace, for CRIU's --inherit-fd."""
+    """A fresh network namespace (loopback up), held by an open fd for CRIU's --inherit-fd.
+
+    Made in a short-lived thread: unshare(CLONE_NEWNET) moves only the calling thread, which
+    brings `lo` up, opens its namespace and goes back; no helper process is started.
+    """
 
     def __init__(self) -> None:
-        code = "import signal; from vsnap._loopback import loopback_up; loopback_up(); print('up', flush=True); signal.pause()"
-        src = str(Path(__file__).resolve().parent.parent)
-        env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        self.process = subprocess.Popen([find_unshare(), "--net", sys.executable, "-c", code], stdout=subprocess.PIPE,
-                                        stdin=subprocess.DEVNULL, env=env)
-        assert self.process.stdout is not None
-        if self.process.stdout.readline().strip() != b"up":
-            self.close()
-            raise ProcessTreeError(None, "could not create a network namespace for the restored tree",
-                                   phase="prepare host", hint="run as root on a kernel with network namespaces")
-        self.fd = os.open(f"/proc/{self.process.pid}/ns/net", os.O_RDONLY)
+        result: dict[str, object] = {}
+
+        def make() -> None:
+            libc = ctypes.CDLL(None, use_errno=True)
+            original = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+            try:
+                if libc.unshare(CLONE_NEWNET) != 0:
+                    raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+                try:
+                    loopback_up()
+                    result["fd"] = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+                finally:
+                    libc.setns(original, CLONE_NEWNET)
+            except OSError as exc:
+                result["error"] = exc
+            finally:
+                os.close(original)
+
+        thread = threading.Thread(target=make, name="vsnap-netns")
+        thread.start()
+        thread.join()
+        if "fd" not in result:
+            raise ProcessTreeError(None, f"could not create a network namespace for the restored tree: {result.get('error')}",
+                                   phase="criu restore", hint="run as root on a kernel with network namespaces")
+        self.fd: int | None = int(result["fd"])  # type: ignore[call-overload]
 
     def close(self) -> None:
-        if getattr(self, "fd", None) is not None:
+        if self.fd is not None:
             os.close(self.fd)
-            self.fd = None  # type: ignore[assignment]
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGKILL)
-        self.process.wait()
+            self.fd = None

@@ -186,7 +186,7 @@ def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000,
             netns = NetnsHolder()
             pid = CriuRunner.locate().restore(RestoreOptions(
                 images_dir=image_dir / CRIU_DIR, work_dir=work, log_file=work / RESTORE_LOG,
-                pidfile=work / RESTORE_PID, externals=externals, inherit_fds={netns.fd: manifest.netns_key}))
+                pidfile=work / RESTORE_PID, externals=externals, inherit_fds={int(netns.fd or -1): manifest.netns_key}))
             restored_pid.append(pid)
             netns.close()  # the restored tree keeps the namespace alive
         if manifest.cuda_processes:

@@ -32,6 +32,26 @@ async def wait_for_activation(control_dir: Path, timeout_s: float) -> Activation
         budget.tick()
 
 
+async def _receive_socket(control_dir: Path, launch: LaunchConfig, detail: dict, times: dict[str, float]) -> socket.socket:
+    """Report "validated", then take the HTTP socket the orchestrator bound on the host.
+
+    The tree has its own network namespace, so the orchestrator binds host:port and passes the
+    socket in (SCM_RIGHTS), only now that the oracle has passed; then report "serving".
+    """
+    handoff = control.open_handoff(control_dir)
+    control.write_message(control_dir, control.STATUS, Status(state="validated", times=times, detail=detail))
+    try:
+        sock = await asyncio.get_running_loop().run_in_executor(
+            None, control.receive_listener, handoff, launch.timeout_s)
+    finally:
+        handoff.close()
+        (control_dir / control.LISTENER).unlink(missing_ok=True)
+    times["bound"] = time.time()
+    control.write_message(control_dir, control.STATUS, Status(
+        state="serving", times=times, detail={**detail, "port": sock.getsockname()[1]}))
+    return sock
+
+
 async def run_engine(control_dir: Path) -> None:
     launch = control.read_message(control_dir, control.LAUNCH, LaunchConfig)
     if launch is None:
@@ -43,12 +63,16 @@ async def run_engine(control_dir: Path) -> None:
     try:
         await adapter.build()
         times["built"] = time.time()
+        if launch.mode == "serve":  # a plain cold start: no oracle, no barrier
+            sock = await _receive_socket(control_dir, launch, {}, times)
+            await adapter.serve(sock)
+            return
         phase = "prepare"
         oracle = await adapter.prepare()
         times["prepared"] = time.time()
         phase = "capture barrier"
         control.write_message(control_dir, control.READY, Ready(pid=os.getpid(), oracle=oracle, times=times))
-        activation = await wait_for_activation(control_dir, launch.timeout_s)
+        await wait_for_activation(control_dir, launch.timeout_s)
         # From here on the tree may have been restored: wall-clock times only.
         phase = "recover"
         recovery: dict[str, float] = {"activated": time.time()}
@@ -58,22 +82,8 @@ async def run_engine(control_dir: Path) -> None:
         again = await adapter.run_oracle()
         recovery["oracle_checked"] = time.time()
         worst = compare_oracles(oracle, again, launch.oracle_tolerance)
-        # The tree has its own network namespace: the orchestrator binds the HTTP socket on the
-        # host and passes it in, only now that the oracle has passed.
-        handoff = control.open_handoff(control_dir)
-        control.write_message(control_dir, control.STATUS, Status(
-            state="validated", times=recovery, detail={**detail, "oracle_max_abs_diff": worst}))
         phase = "serve"
-        try:
-            sock = await asyncio.get_running_loop().run_in_executor(
-                None, control.receive_listener, handoff, launch.timeout_s)
-        finally:
-            handoff.close()
-            (control_dir / control.LISTENER).unlink(missing_ok=True)
-        port = sock.getsockname()[1]
-        recovery["bound"] = time.time()
-        control.write_message(control_dir, control.STATUS, Status(
-            state="serving", times=recovery, detail={**detail, "oracle_max_abs_diff": worst, "port": port}))
+        sock = await _receive_socket(control_dir, launch, {**detail, "oracle_max_abs_diff": worst}, recovery)
         await adapter.serve(sock)
         control.write_message(control_dir, control.STATUS, Status(state="stopped"))
     except BaseException as error:

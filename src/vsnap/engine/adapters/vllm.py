@@ -29,6 +29,7 @@ class VllmAdapter(EngineAdapter):
         super().__init__(launch)
         self.engine: Any = None
         self.args: Any = None
+        self.app: Any = None  # vLLM's OpenAI app, built before the capture when possible
 
     async def build(self) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -106,14 +107,41 @@ class VllmAdapter(EngineAdapter):
         rehearsal = await self.run_oracle()
         compare_oracles(oracle, rehearsal, self.launch.oracle_tolerance)
         await self._sleep()
+        await self._prebuild_app()
         return oracle
 
+    async def _prebuild_app(self) -> None:
+        """Build vLLM's FastAPI app and its serving state now, so the image holds it and a restore
+        does not spend most of a second on it. On any failure, serve() builds it as vLLM does."""
+        from vllm.entrypoints.openai.api_server import build_app, init_app_state
+
+        try:
+            tasks = await self.engine.get_supported_tasks()
+            app = build_app(self.args, tasks, self.engine.model_config)
+            await init_app_state(self.engine, app.state, self.args, tasks)
+            self.app = app
+        except Exception as exc:  # not fatal: the slower path still works
+            print(f"vsnap: could not prebuild the OpenAI app ({type(exc).__name__}: {exc}); "
+                  "it will be built after restore", flush=True)
+
     async def serve(self, sock: socket.socket) -> None:
+        from vllm import envs
+        from vllm.entrypoints.launcher import serve_http
         from vllm.entrypoints.openai.api_server import build_and_serve
 
         host, port = sock.getsockname()[:2]
         self.args.host, self.args.port = host, port
-        shutdown = await build_and_serve(self.engine, f"http://{host}:{port}", sock, self.args)
+        if self.app is None:
+            shutdown = await build_and_serve(self.engine, f"http://{host}:{port}", sock, self.args)
+        else:  # the same settings build_and_serve gives uvicorn
+            args = self.args
+            shutdown = await serve_http(
+                self.app, sock=sock, enable_ssl_refresh=args.enable_ssl_refresh, host=host, port=port,
+                log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
+                timeout_keep_alive=envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE, ssl_keyfile=args.ssl_keyfile,
+                ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
+                ssl_ciphers=args.ssl_ciphers, h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
+                h11_max_header_count=args.h11_max_header_count)
         await shutdown
 
     async def shutdown(self) -> None:

@@ -1,0 +1,38 @@
+"""vsnap bench SPEC"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from .. import _bench
+from .._spec import load_spec
+from . import _render
+from . import app, error_boundary
+
+
+@app.command(help="Measure, in one run: cold start to first token (fully cold and with a warm compile cache), "
+                  "capture, restore to first token (repeated), the per-phase breakdown and the floor. "
+                  "Writes JSON, markdown and a plot to --out.")
+@error_boundary
+def bench(
+    spec: Path = typer.Argument(..., help="model.yaml"),
+    runs: int = typer.Option(3, "--runs", min=1, max=20, help="restores (and warm cold starts) to take the median of"),
+    out: Path = typer.Option(Path("docs/benchmarks"), "--out", help="where the record goes"),
+    as_json: bool = typer.Option(False, "--json", help="print the record as JSON"),
+) -> None:
+    progress = _render.PhaseProgress()
+    try:
+        record = _bench.run_bench(load_spec(spec), runs=runs, out_dir=out, on_event=progress)
+    finally:
+        progress.close()
+    if as_json:
+        _render.print_json("bench", record)
+        return
+    _render.stdout.print(_render.timing_table(
+        f"restore to first token {record['restore_to_first_token_s_median']:.2f} s (median of {runs}) vs cold start "
+        f"{record['cold_start_to_first_token_s_median']:.2f} s ({record['speedup_vs_warm_cold_start']:.1f}x); "
+        f"floor {record['floor_s']:.2f} s",
+        {k: v for k, v in record["phases"].items() if not k.startswith("engine ")},
+        {k.removeprefix("engine "): v for k, v in record["phases"].items() if k.startswith("engine ")}))
