@@ -8,14 +8,7 @@ PY=${PY:-/opt/torch/.venv/bin/python3}
 SHAPE=${SHAPE:-tiny}
 WORK=/tmp/vsnap-gpu
 mkdir -p "$OUT/bench" "$WORK" && chmod 700 "$WORK"
-if [ ! -d /tmp/site/vllm ]; then
-  cat .carry/vllm-parts-*/part-* > /tmp/vb.tar.xz && mkdir -p /tmp/site &&
-    "$PY" -c "import tarfile; tarfile.open('/tmp/vb.tar.xz', mode='r:xz').extractall('/tmp/site', filter='data')" || exit 10
-fi
-[ -x /opt/criu-bundle/bin/criu ] || tar xzf .carry/criu/criu-bundle.tar.gz -C /opt || exit 11
-export PYTHONPATH=/tmp/site:$REPO/src
-export VSNAP_CRIU=/opt/criu-bundle/bin/criu VLLM_USE_FLASHINFER_SAMPLER=0
-sysctl -qw kernel.io_uring_disabled=2
+. "$REPO/scripts/gpu-env.sh"
 MODEL=/tmp/models/$SHAPE-llama
 "$PY" scripts/make_test_model.py "$MODEL" --shape "$SHAPE" || exit 12
 SPEC=$WORK/bench-$SHAPE.yaml

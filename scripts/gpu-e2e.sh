@@ -18,14 +18,7 @@ mkdir -p "$OUT" "$WORK" && chmod 700 "$WORK"
 log() { echo "[$(date +%H:%M:%S)] $*"; }
 
 log "install vLLM and CRIU from the carry"
-if [ ! -d /tmp/site/vllm ]; then
-  cat .carry/vllm-parts-*/part-* > /tmp/vb.tar.xz && mkdir -p /tmp/site &&
-    "$PY" -c "import tarfile; tarfile.open('/tmp/vb.tar.xz', mode='r:xz').extractall('/tmp/site', filter='data')" || exit 10
-fi
-[ -x /opt/criu-bundle/bin/criu ] || tar xzf .carry/criu/criu-bundle.tar.gz -C /opt || exit 11
-export PYTHONPATH=/tmp/site:$REPO/src
-export VSNAP_CRIU=/opt/criu-bundle/bin/criu VLLM_USE_FLASHINFER_SAMPLER=0
-sysctl -qw kernel.io_uring_disabled=2
+. "$REPO/scripts/gpu-env.sh"
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader > "$OUT/gpu-before.txt"
 
 MODEL=/tmp/models/$SHAPE-llama
