@@ -16,7 +16,6 @@ A leaf: imports pydantic, _errors and _oracle only (the engine tree imports it).
 from __future__ import annotations
 
 import errno
-import fcntl
 import json
 import os
 import socket
@@ -25,12 +24,11 @@ import struct
 import threading
 import time
 from pathlib import Path
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Literal, TypeVar
+from typing import Any, Callable, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ._errors import ControlProtocolError, PhaseTimeout, ProcessTreeError
+from ._errors import ControlProtocolError, PhaseTimeout
 from ._oracle import Oracle
 
 LAUNCH = "launch.json"
@@ -133,21 +131,6 @@ def check_private_dir(path: Path) -> None:
         raise ControlProtocolError(path, f"is owned by uid {st.st_uid}, not by us (uid {os.geteuid()})")
     if st.st_mode & 0o077:
         raise ControlProtocolError(path, f"has mode {stat.S_IMODE(st.st_mode):04o}; it must be private (0700)")
-
-
-@contextmanager
-def control_lock(directory: Path) -> Iterator[None]:
-    """One vsnap capture or restore per control directory at a time (a flock on .lock in it)."""
-    fd = os.open(directory / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise ProcessTreeError(None, f"another vsnap capture or restore is using the control directory {directory}",
-                                   hint="wait for it, or give this spec its own snapshot.control_dir") from None
-        yield
-    finally:
-        os.close(fd)
 
 
 def write_atomic(directory: Path, name: str, data: bytes) -> None:
