@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from ._criu_options import DumpOptions, external_mounts
 from ._errors import CheckpointError, CriuError, EngineError, HostNotReady, ImageError, ProcessTreeError
 from ._events import ProgressCallback, Timings
 from ._host import host_facts, require_host
-from ._image import check_parent, checksum_tree, image_lock, make_staging, publish, remove_stale_staging, sha256_file
+from ._image import HASH_THREADS, check_parent, checksum_tree, image_lock, make_staging, publish, remove_stale_staging, sha256_file
 from ._instances import new_instance_dir
 from ._manifest import CRIU_DIR, DUMP_LOG, ENGINE_LOG, FORMAT_VERSION, MANIFEST, SHM_DIR, Dependency, HostFacts, Manifest
 from ._proctree import LaunchedTree, kill_tree, launch_tree, mapped_and_open_files, tree_pids, wait_gone
@@ -111,18 +112,14 @@ def wait_ready(tree: LaunchedTree, control_dir: Path, timeout_s: float) -> Ready
 
 
 def _dependencies(pids: list[int], model_dir: Path, control_dir: Path) -> list[Dependency]:
-    deps = []
-    for path in sorted(mapped_and_open_files(pids)):
-        if path.startswith(str(control_dir) + "/"):
-            continue  # the engine log: restore puts the captured copy back
-        inside_model = path.startswith(str(model_dir) + "/")
-        deps.append(Dependency(path=path, size=os.stat(path).st_size,
-                               sha256=sha256_file(Path(path)) if inside_model else None))
-    known = {d.path for d in deps}
-    for weights in sorted(model_dir.rglob("*")):  # reloaded on recover even if not open now
-        if weights.is_file() and str(weights) not in known:
-            deps.append(Dependency(path=str(weights), size=weights.stat().st_size, sha256=sha256_file(weights)))
-    return deps
+    """Every host file the tree has mapped or open, and the model's files (reloaded at recover),
+    with size and sha256: what another host must have, byte for byte, to restore this image."""
+    paths = {p for p in mapped_and_open_files(pids) if not p.startswith(str(control_dir) + "/")}
+    paths |= {str(p) for p in model_dir.rglob("*") if p.is_file()}
+    ordered = sorted(paths)
+    with ThreadPoolExecutor(max_workers=HASH_THREADS) as pool:
+        digests = list(pool.map(lambda path: sha256_file(Path(path)), ordered))
+    return [Dependency(path=path, size=os.stat(path).st_size, sha256=digest) for path, digest in zip(ordered, digests)]
 
 
 def anonymous_bytes(pids: list[int]) -> int:

@@ -148,9 +148,9 @@ def host_facts(engine: str, visible: str | None = None) -> HostFacts:
 def dependency_mismatches(dependencies: list[Dependency], *, hash_files: bool) -> list[tuple[str, str, str]]:
     """Host files the tree depends on that are missing or changed.
 
-    Sizes are always compared; contents (sha256, recorded for model files) only when
-    ``hash_files``: `vsnap validate IMAGE` does, restore does not (the oracle, re-run on the
-    reloaded weights, catches changed weights without reading them twice).
+    Sizes are always compared; contents (sha256) only when ``hash_files``: `vsnap validate IMAGE`
+    does, restore does not (the oracle, re-run on the reloaded weights, catches changed weights
+    without reading them twice).
     """
     from ._image import sha256_file
 

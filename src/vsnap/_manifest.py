@@ -38,7 +38,7 @@ class Dependency(_Frozen):
 
     path: str
     size: int
-    sha256: str | None = None  # recorded for model files; libraries are checked by size
+    sha256: str | None = None  # restore checks sizes; `vsnap validate IMAGE` checks contents too
 
 
 class HostFacts(_Frozen):

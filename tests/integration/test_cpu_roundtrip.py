@@ -244,3 +244,39 @@ def test_bounded_load_on_a_restored_server(captured: CapturedImage) -> None:
     assert result.requests >= 20
     with pytest.raises(ValueError, match="loopback addresses only"):
         run_load("http://10.0.0.1:8000", seconds=0.1)
+
+
+def test_changed_host_files_are_named_and_changed_weights_fail_the_oracle(tmp_path: Path) -> None:
+    """Cross-host readiness: a file the tree depends on differs. A different size is refused before
+    CRIU runs; same-size different content is named by validate, and a restore fails closed on the
+    oracle (exit 7) without ever opening the port."""
+    from vsnap.engine.cpu_model import write_model
+
+    model = write_model(tmp_path / "model")
+    spec = write_spec(tmp_path, "deps", model=str(model))
+    captured = run_vsnap("capture", str(spec), "--json")
+    assert captured.returncode == 0, captured.stderr
+    image = json.loads(captured.stdout)["image"]
+    weights = model / "model.safetensors"
+    original = weights.read_bytes()
+
+    weights.write_bytes(original + b"\0")
+    for command in (["validate", image], ["restore", image, "--port", "0"]):
+        result = run_vsnap(*command)
+        assert result.returncode == 4
+        assert f"file {weights}" in result.stdout + result.stderr
+
+    # same size, other values: the final layer norm's scale set to zero
+    header_len = int.from_bytes(original[:8], "little")
+    begin, end = json.loads(original[8:8 + header_len])["ln_f.weight"]["data_offsets"]
+    base = 8 + header_len
+    weights.write_bytes(original[:base + begin] + bytes(end - begin) + original[base + end:])
+    result = run_vsnap("validate", image)
+    assert result.returncode == 4
+    assert f"file {weights}" in result.stderr and "different content" in result.stderr
+    result = run_vsnap("restore", image, "--port", "0", "--detach")
+    if result.returncode == 0:
+        run_vsnap("stop", image)
+    assert result.returncode == 7, result.stderr
+    assert "OracleMismatch" in result.stderr or "expected" in result.stderr
+    assert engine_processes(tmp_path / "control" / "deps") == []
