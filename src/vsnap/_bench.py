@@ -23,8 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from . import _control as control
-from ._capture import capture_image, launch_config, resolve_model, tree_environment, wait_ready
-from ._control import Activation
+from ._capture import capture_image, launch_config, resolve_model, tree_environment
 from ._events import ProgressCallback, Timings
 from ._host import host_facts, require_host
 from ._instances import new_instance_dir

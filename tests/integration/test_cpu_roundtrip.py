@@ -7,7 +7,6 @@ import os
 import shutil
 import signal
 import subprocess
-import time
 import urllib.request
 from pathlib import Path
 
