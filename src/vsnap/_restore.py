@@ -205,10 +205,13 @@ def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000,
             control.write_message(work, control.ACTIVATION, Activation(host=host, port=port))
             validated = _wait_status(work, pid, ("validated",), "recover", engine_log)
         with timings.phase("serve"):
+            started = time.monotonic()
             serving = hand_over_listener(work, pid, host, port, engine_log)
+            handed_over = time.monotonic()
             server = RestoredServer(pid, host, int(serving.detail.get("port", port)), image_dir, instance_id, work,
                                     gpu=target["uuid"] if target else None)
             health_check(server.url)
+            serve_split = {"socket_handoff_s": handed_over - started, "http_start_s": time.monotonic() - handed_over}
     except BaseException:
         heartbeat.stop()
         if netns is not None:
@@ -225,6 +228,7 @@ def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000,
     server.recovery = {k: v for k, v in validated.detail.items() if isinstance(v, (int, float))}
     if "recovered" in t and "oracle_checked" in t:
         server.recovery["oracle_s"] = t["oracle_checked"] - t["recovered"]
+    server.recovery.update(serve_split)  # the serve phase: socket handoff, then the server's own start
     return server
 
 

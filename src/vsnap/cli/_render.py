@@ -51,8 +51,8 @@ def timing_table(title: str, seconds: dict[str, float], extra: dict[str, float] 
         table.add_row(phase, f"{value:.3f}")
     table.add_row("[bold]total[/]", f"[bold]{sum(seconds.values()):.3f}[/]")
     for name, value in (extra or {}).items():
-        if name.endswith("_s"):  # the engine's own breakdown, already inside the phases above
-            table.add_row(f"  engine: {name.removesuffix('_s').replace('_', ' ')}", f"{value:.3f}")
+        if name.endswith("_s"):  # the breakdown inside the phases above (engine and handoff)
+            table.add_row(f"  · {name.removesuffix('_s').replace('_', ' ')}", f"{value:.3f}")
     return table
 
 
