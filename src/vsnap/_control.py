@@ -321,21 +321,28 @@ def open_handoff(directory: Path) -> socket.socket:
         os.close(fd)
 
 
+def take_listener(conn: socket.socket) -> socket.socket:
+    """Engine side: from an accepted handoff connection, take the listening TCP socket it carries."""
+    conn.setblocking(True)
+    conn.settimeout(10)
+    peer_uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[1]
+    if peer_uid != os.geteuid():
+        raise ControlProtocolError(LISTENER, f"the HTTP socket came from uid {peer_uid}, not from us")
+    _, fds, _, _ = socket.recv_fds(conn, 16, 1)
+    if not fds:
+        raise ControlProtocolError(LISTENER, "no socket was passed")
+    return socket.socket(fileno=fds[0])
+
+
 def receive_listener(server: socket.socket, timeout_s: float) -> socket.socket:
-    """Engine side: accept one connection and take the listening TCP socket it carries."""
+    """Engine side, blocking: accept one handoff connection and take its socket."""
     server.settimeout(timeout_s)
     try:
         conn, _ = server.accept()
     except socket.timeout:
         raise PhaseTimeout("wait for the HTTP socket", timeout_s) from None
     with conn:
-        peer_uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[1]
-        if peer_uid != os.geteuid():
-            raise ControlProtocolError(LISTENER, f"the HTTP socket came from uid {peer_uid}, not from us")
-        _, fds, _, _ = socket.recv_fds(conn, 16, 1)
-    if not fds:
-        raise ControlProtocolError(LISTENER, "no socket was passed")
-    return socket.socket(fileno=fds[0])
+        return take_listener(conn)
 
 
 def send_listener(directory: Path, listener: socket.socket, timeout_s: float = 30) -> None:

@@ -29,7 +29,7 @@ def run_with(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str
     return subprocess.run([VSNAP, *args], capture_output=True, text=True, timeout=300, env={**os.environ, **env})
 
 
-def wait_no_engine(control_dir: Path, timeout_s: float = OWNER_TIMEOUT_S + 20) -> None:
+def wait_no_engine(control_dir: Path, timeout_s: float = OWNER_TIMEOUT_S + 30) -> None:
     """The tree of a SIGKILLed owner notices the silence and shuts itself down."""
     deadline = time.monotonic() + timeout_s
     while engine_processes(control_dir) and time.monotonic() < deadline:

@@ -69,7 +69,7 @@ def _watch_owner(control_dir: Path) -> None:
             continue
         print(f"vsnap engine: {reason}; shutting down", flush=True)
         os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(20)
+        time.sleep(10)
         print("vsnap engine: graceful shutdown took too long; exiting", flush=True)
         os._exit(3)
 

@@ -39,10 +39,15 @@ async def _receive_socket(control_dir: Path, launch: LaunchConfig, detail: dict,
     socket in (SCM_RIGHTS), only now that the oracle has passed; then report "serving".
     """
     handoff = control.open_handoff(control_dir)
+    handoff.setblocking(False)  # accepted by the event loop, so that a SIGTERM cancels the wait at once
     control.write_message(control_dir, control.STATUS, Status(state="validated", times=times, detail=detail))
     try:
-        sock = await asyncio.get_running_loop().run_in_executor(
-            None, control.receive_listener, handoff, launch.timeout_s)
+        try:
+            conn, _ = await asyncio.wait_for(asyncio.get_running_loop().sock_accept(handoff), launch.timeout_s)
+        except asyncio.TimeoutError:
+            raise PhaseTimeout("wait for the HTTP socket", launch.timeout_s) from None
+        with conn:
+            sock = control.take_listener(conn)
     finally:
         handoff.close()
         (control_dir / control.LISTENER).unlink(missing_ok=True)
