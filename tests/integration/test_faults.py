@@ -158,7 +158,9 @@ def test_disk_full_while_writing_the_image(tmp_path: Path) -> None:
 def test_two_captures_into_one_image_path(tmp_path: Path) -> None:
     spec = write_spec(tmp_path, "twice")
     first = subprocess.Popen([VSNAP, "capture", str(spec)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(1.5)
+    deadline = time.monotonic() + 60
+    while not engine_processes(tmp_path / "control" / "twice") and time.monotonic() < deadline:
+        time.sleep(0.1)  # the engine starts only once the first capture holds the image lock
     second = run_vsnap("capture", str(spec))
     assert first.wait(timeout=300) == 0
     assert second.returncode == 4
