@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -90,10 +91,12 @@ def read_manifest(image_dir: Path) -> Manifest:
     except FileNotFoundError:
         raise ImageFormatError(f"{image_dir} has no {MANIFEST}: not a vsnap image, or an unfinished one") from None
     try:
-        version = Manifest.model_validate_json(data, strict=False).format_version
-    except ValidationError:
-        version = None
-    if version is not None and version != FORMAT_VERSION:
+        raw = json.loads(data)
+    except ValueError:
+        raw = None
+    # The version first, from the raw document: another version may have other fields.
+    version = raw.get("format_version") if isinstance(raw, dict) else None
+    if isinstance(version, int) and version != FORMAT_VERSION:
         raise ImageFormatError(f"{path} has format version {version}; this vsnap reads version {FORMAT_VERSION}",
                                format_version=version, hint="use the vsnap that captured it, or capture again")
     try:

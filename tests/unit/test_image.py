@@ -57,3 +57,19 @@ def test_checksum_tree(tmp_path: Path) -> None:
     files = checksum_tree(tmp_path)
     assert list(files) == ["sub/x"]
     assert files["sub/x"].sha256 == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+
+
+def test_manifest_of_another_format_version_is_named(tmp_path: Path) -> None:
+    """A manifest of another version has other fields: its version must still be what is reported."""
+    from vsnap._errors import ImageFormatError
+    from vsnap._manifest import read_manifest
+
+    image = tmp_path / "img"
+    image.mkdir()
+    (image / "manifest.json").write_text('{"format_version": 2, "layout": "something new"}')
+    with pytest.raises(ImageFormatError, match="has format version 2; this vsnap reads version 1") as info:
+        read_manifest(image)
+    assert info.value.format_version == 2
+    (image / "manifest.json").write_text('{"format_version": 1, "name": 5}')
+    with pytest.raises(ImageFormatError, match="is malformed"):
+        read_manifest(image)
