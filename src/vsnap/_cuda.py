@@ -101,6 +101,7 @@ class CudaCheckpoint:
         ``gpu_pairs`` maps a captured GPU's UUID to the one to restore onto (every GPU the process
         saw must appear; vsnap captures with one visible GPU).
         """
+        candidates = gpu_pair_candidates(gpu_pairs) if gpu_pairs else []
         for pid in pids:
             if self.state(pid) != "checkpointed":
                 continue
@@ -108,7 +109,7 @@ class CudaCheckpoint:
                 self._call(pid, "cuCheckpointProcessRestore", None)
                 continue
             errors = []
-            for pairs in gpu_pair_candidates(gpu_pairs):
+            for pairs in candidates:
                 try:
                     args = self._restore_args(pairs)
                 except (AttributeError, TypeError, ValueError):

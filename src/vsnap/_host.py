@@ -9,6 +9,7 @@ import os
 import platform
 import socket
 from dataclasses import dataclass
+from typing import Callable
 from importlib import metadata
 from pathlib import Path
 
@@ -37,7 +38,8 @@ class Check:
     error: VsnapError | None = None
 
 
-def _run_check(name: str, fn: "callable[[], str]") -> Check:  # type: ignore[valid-type]
+def run_check(name: str, fn: Callable[[], str]) -> Check:
+    """Run one check: its detail on success, the error it raised on failure."""
     try:
         return Check(name, True, fn())
     except VsnapError as exc:
@@ -105,12 +107,12 @@ def check_gpu() -> str:
 
 def preflight(engine: str | None) -> list[Check]:
     """Every host check, each with its verdict (nothing raised)."""
-    checks = [_run_check("root", check_root), _run_check("criu", check_criu), _run_check("unshare", check_unshare)]
+    checks = [run_check("root", check_root), run_check("criu", check_criu), run_check("unshare", check_unshare)]
     if engine is not None:
-        checks.append(_run_check(f"engine {engine}", lambda: check_engine_packages(engine)))
+        checks.append(run_check(f"engine {engine}", lambda: check_engine_packages(engine)))
     if engine == "vllm":
-        checks.append(_run_check("io_uring", check_io_uring))
-        checks.append(_run_check("gpu", check_gpu))
+        checks.append(run_check("io_uring", check_io_uring))
+        checks.append(run_check("gpu", check_gpu))
     return checks
 
 

@@ -67,16 +67,9 @@ class RestoredServer:
 
 
 def check_port_free(host: str, port: int) -> None:
-    if port == 0:
-        return
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError as exc:
-            raise HostNotReady("port", f"cannot serve on {host}:{port}: {exc.strerror}",
-                               hint="choose another --port, or stop what listens there") from None
+    """Fail before CRIU runs if host:port cannot be bound (port 0: any free port, always fine)."""
+    if port != 0:
+        bind_listener(host, port).close()
 
 
 def _engine_failure(report: ErrorReport, log: Path) -> EngineError:

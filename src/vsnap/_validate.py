@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ._errors import ImageHostMismatch, VsnapError
-from ._host import Check, host_mismatches, preflight
+from ._host import Check, host_mismatches, preflight, run_check
 from ._image import check_parent, verify_files
 from ._manifest import MANIFEST, read_manifest
 from ._spec import load_spec
@@ -25,13 +25,6 @@ class ValidationReport:
     @property
     def first_error(self) -> VsnapError | None:
         return next((c.error for c in self.checks if c.error is not None), None)
-
-
-def _check(name: str, fn: "callable[[], str]") -> Check:  # type: ignore[valid-type]
-    try:
-        return Check(name, True, fn())
-    except VsnapError as exc:
-        return Check(name, False, exc.message, exc)
 
 
 def validate_target(target: Path | None) -> ValidationReport:
@@ -54,8 +47,8 @@ def _validate_spec(path: Path) -> ValidationReport:
     if spec.engine == "vllm":
         from ._vllm_check import require_supported_args
 
-        report.checks.append(_check("vllm arguments", lambda: require_supported_args(spec, str(path))))
-    report.checks.append(_check("image directory", lambda: (check_parent(spec.image_dir), f"{spec.image_dir.parent} is private")[1]))
+        report.checks.append(run_check("vllm arguments", lambda: require_supported_args(spec, str(path))))
+    report.checks.append(run_check("image directory", lambda: (check_parent(spec.image_dir), f"{spec.image_dir.parent} is private")[1]))
     return report
 
 
@@ -68,7 +61,7 @@ def _validate_image(image_dir: Path) -> ValidationReport:
         return report
     report.checks.append(Check("manifest", True, f"{manifest.name}: engine {manifest.engine}, "
                                                  f"captured {manifest.created_at} on {manifest.host.hostname}"))
-    report.checks.append(_check("image files", lambda: (verify_files(image_dir, manifest),
+    report.checks.append(run_check("image files", lambda: (verify_files(image_dir, manifest),
                                                         f"{len(manifest.files)} files match their sha256")[1]))
 
     def host_fit() -> str:
@@ -77,6 +70,6 @@ def _validate_image(image_dir: Path) -> ValidationReport:
             raise ImageHostMismatch(mismatches)
         return f"python {manifest.host.python}, torch {manifest.host.torch}, {len(manifest.dependencies)} files unchanged"
 
-    report.checks.append(_check("host match", host_fit))
+    report.checks.append(run_check("host match", host_fit))
     report.checks.extend(c for c in preflight(None) if c.name != "unshare")
     return report
