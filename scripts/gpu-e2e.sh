@@ -55,6 +55,7 @@ if [ $rc -ne 0 ]; then
   cat "$OUT/capture.json"; tail -40 "$OUT/engine-capture-tail.log"; exit 20
 fi
 cp "$IMAGE/logs/engine.log" "$OUT/engine-capture.log"
+grep "^vsnap:" "$OUT/engine-capture.log" | cut -c1-300
 nvidia-smi --query-gpu=memory.used --format=csv,noheader > "$OUT/gpu-after-capture.txt"
 
 for n in 1 2; do

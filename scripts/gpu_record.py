@@ -47,6 +47,10 @@ def main() -> None:
                       ("ok", "max_abs_logprob_diff", "first_request_s", "tolerance")}}
                      for r, c, w in zip(restores, checks, walls)],
         "oracle_ok": all(c.get("ok") for c in checks),
+        # what fills the image: each process's anonymous memory at the dump, and the largest files
+        "processes": manifest.processes,
+        "largest_files": dict(sorted(((rel, e.size) for rel, e in manifest.files.items()),
+                                     key=lambda item: -item[1])[:8]),
     }
     (out / "record.json").write_text(json.dumps(record, indent=2) + "\n")
     print(f"\n{'':-<60}\nvsnap GPU e2e  {record['gpu']}  driver {h.driver}  vllm {h.vllm}  torch {h.torch}")
@@ -54,10 +58,17 @@ def main() -> None:
     for k, v in (capture.get("timings") or {}).items():
         print(f"  {k:<34}{v:9.2f} s")
     print(f"{'image':<36}{(record['image_bytes'] or 0) / 1e9:9.2f} GB")
+    for rel, size in record["largest_files"].items():
+        print(f"  {rel:<34}{size / 1e9:9.2f} GB")
+    for proc in manifest.processes:
+        print(f"  pid {proc['pid']:<6} anon {proc['anonymous_bytes'] / 1e9:6.2f} GB  {proc['command'][:60]}")
     for n, (r, c, w) in enumerate(zip(restores, checks, walls), 1):
         print(f"{f'restore #{n} (vsnap restore total)':<36}{(r.get('total_s') or 0):9.2f} s")
         for k, v in (r.get("timings") or {}).items():
             print(f"  {k:<34}{v:9.2f} s")
+        for k, v in (r.get("recovery") or {}).items():
+            print(f"    engine {k:<27}{v:9.3f}")
+        print(f"  {'weights from':<34}{r.get('weights_source')}")
         print(f"  {'oracle over HTTP':<34}{'ok' if c.get('ok') else 'MISMATCH':>9}  max |dlogprob| {c.get('max_abs_logprob_diff')}")
         if w:
             print(f"  {'restore + all oracle requests':<34}{w:9.2f} s")

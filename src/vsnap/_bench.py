@@ -5,8 +5,9 @@
   cache, then "warm cache" reusing it (vLLM; the cpu engine has no compile cache);
 * capture: `capture_image()` of the spec, with the warm cache;
 * restore to first token: `restore_image()` plus the first completion, ``runs`` times;
-* floor: image bytes over this disk's measured read bandwidth, plus weight bytes over the measured
-  host-to-device bandwidth (vLLM: pinned copies in a CUDA subprocess; cpu: the read bandwidth).
+* floor: the image's CRIU bytes over this disk's measured read bandwidth (8 threads, page cache as
+  it is), plus the weight bytes over the slower of that bandwidth and the measured host-to-device
+  bandwidth (vLLM: pinned copies in a CUDA subprocess; cpu: the read bandwidth).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from ._capture import capture_image, launch_config, resolve_model, tree_environm
 from ._events import ProgressCallback, Timings
 from ._host import host_facts, require_host
 from ._instances import new_instance_dir
+from ._manifest import WEIGHTS_DIR
 from ._proctree import kill_tree, launch_tree
 from ._restore import _wait_status, hand_over_listener, restore_image, stop_server
 from ._shm import instance_shm_dir, remove_instance_shm
@@ -64,12 +66,24 @@ def cold_start(spec: ModelSpec, env_extra: dict[str, str]) -> float:
 
 
 def read_bandwidth(paths: list[Path]) -> float:
-    """Bytes per second reading these files (whatever the page cache holds, as a restore would)."""
-    total, start = 0, time.monotonic()
-    for path in paths:
-        with open(path, "rb", buffering=0) as f:
-            while chunk := f.read(16 << 20):
-                total += len(chunk)
+    """Bytes per second reading these files in 32 MiB pieces on 8 threads (as a restore streams the
+    weights file), from whatever the page cache holds."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    piece = 32 << 20
+    jobs = [(path, offset) for path in paths for offset in range(0, path.stat().st_size, piece)]
+
+    def read(job: tuple[Path, int]) -> int:
+        fd = os.open(job[0], os.O_RDONLY)
+        try:
+            return len(os.pread(fd, piece, job[1]))
+        finally:
+            os.close(fd)
+
+    start = time.monotonic()
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        total = sum(pool.map(read, jobs))
     return total / max(time.monotonic() - start, 1e-9)
 
 
@@ -100,7 +114,7 @@ def _median_phases(runs: list[dict[str, float]]) -> dict[str, float]:
     return {k: statistics.median(r[k] for r in runs) for k in keys}
 
 
-def run_bench(spec: ModelSpec, *, runs: int = 3, out_dir: Path | None = None,
+def run_bench(spec: ModelSpec, *, runs: int = 3, cold_runs: int | None = None, out_dir: Path | None = None,
               on_event: ProgressCallback | None = None) -> dict[str, Any]:
     timings = Timings(on_event)
     with timings.phase("preflight"):
@@ -111,14 +125,14 @@ def run_bench(spec: ModelSpec, *, runs: int = 3, out_dir: Path | None = None,
     with timings.phase("cold start (fully cold)"):
         fully_cold = cold_start(spec, cache_env)
     warm = []
-    for n in range(max(1, runs - 1)):
+    for n in range(cold_runs or max(1, runs - 1)):
         with timings.phase(f"cold start (warm cache) #{n + 1}"):
             warm.append(cold_start(spec, cache_env))
     start = time.monotonic()
     with timings.phase("capture"):
         captured = capture_image(spec, force=True, env=cache_env)  # with the warm cache too
     capture_s = time.monotonic() - start
-    restores, phases = [], []
+    restores, phases, sources = [], [], set()
     for n in range(runs):
         with timings.phase(f"restore to first token #{n + 1}"):
             start = time.monotonic()
@@ -126,19 +140,25 @@ def run_bench(spec: ModelSpec, *, runs: int = 3, out_dir: Path | None = None,
             first_token(server.url, spec.served_model_name)
             restores.append(time.monotonic() - start)
         phases.append({**server.timings, **{f"engine {k}": v for k, v in server.recovery.items() if k.endswith("_s")}})
+        sources.add(server.weights_source)
         stop_server(server)
     image_files = [captured.image_dir / rel for rel in captured.manifest.files]
-    weights = [p for p in model_dir.rglob("*.safetensors")]
+    weights_file = [p for p in image_files if p.parent.name == WEIGHTS_DIR]
+    model_weights = [p for p in model_dir.rglob("*.safetensors")]
+    # what a restore moves to the GPU: the image's weights file, else the model's safetensors
+    weights = weights_file or model_weights
     weight_bytes = sum(p.stat().st_size for p in weights)
     disk_bw = read_bandwidth(image_files)
     h2d_bw = h2d_bandwidth() if spec.engine == "vllm" else None
-    floor = captured.image_bytes / disk_bw + weight_bytes / (h2d_bw or read_bandwidth(weights))
+    # CRIU reads the rest of the image; the weights stream at the slower of reading and copying
+    rest_bytes = captured.image_bytes - (weight_bytes if weights_file else 0)
+    floor = rest_bytes / disk_bw + weight_bytes / min(disk_bw, h2d_bw or disk_bw)
     facts = host_facts(spec.engine)
     cold_median = statistics.median(warm)
     restore_median = statistics.median(restores)
     record: dict[str, Any] = {
         "date": dt.date.today().isoformat(),
-        "command": f"vsnap bench SPEC --runs {runs}",
+        "command": f"vsnap bench SPEC --runs {runs}" + (f" --cold-runs {cold_runs}" if cold_runs else ""),
         "model": f"{spec.name} ({model_dir})",
         "gpu": facts.gpus[0]["name"] if facts.gpus else None,
         "versions": {"driver": facts.driver, "cuda": facts.cuda, "kernel": facts.kernel, "criu": facts.criu,
@@ -155,6 +175,8 @@ def run_bench(spec: ModelSpec, *, runs: int = 3, out_dir: Path | None = None,
         "capture_phases": captured.timings,
         "image_bytes": captured.image_bytes,
         "weight_bytes": weight_bytes,
+        "weights_source": sorted(str(x) for x in sources),
+        "processes": captured.manifest.processes,
         "phases": _median_phases(phases),
         "floor_s": floor,
         "floor_inputs": {"image_read_bytes_per_s": disk_bw, "h2d_bytes_per_s": h2d_bw},
@@ -177,7 +199,8 @@ def write_record(record: dict[str, Any], out_dir: Path, stem: str) -> Path:
              f"| speedup over the warm cold start | {record['speedup_vs_warm_cold_start']:.1f}x |",
              f"| capture | {record['capture_s']:.2f} |",
              f"| floor (image read + weights to device) | {record['floor_s']:.2f} |", "",
-             f"Image {record['image_bytes'] / 1e9:.2f} GB, weights {record['weight_bytes'] / 1e9:.2f} GB.", "",
+             f"Image {record['image_bytes'] / 1e9:.2f} GB, weights {record['weight_bytes'] / 1e9:.2f} GB "
+             f"(restored from: {', '.join(record.get('weights_source') or ['?'])}).", "",
              "Restore phases (medians):", "", "| phase | seconds |", "|---|---|"]
     lines += [f"| {k} | {v:.3f} |" for k, v in record["phases"].items()]
     png = out_dir / f"{stem}.png"

@@ -13,8 +13,10 @@ import shutil
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from . import _control as control
+from . import _verified as verified
 from ._control import ErrorReport, LaunchConfig, Ready
 from ._criu import CriuRunner
 from ._criu_options import DumpOptions, external_mounts
@@ -23,7 +25,8 @@ from ._events import ProgressCallback, Timings
 from ._host import host_facts, require_host
 from ._image import HASH_THREADS, check_parent, checksum_tree, image_lock, make_staging, publish, remove_stale_staging, sha256_file
 from ._instances import new_instance_dir
-from ._manifest import CRIU_DIR, DUMP_LOG, ENGINE_LOG, FORMAT_VERSION, MANIFEST, SHM_DIR, Dependency, HostFacts, Manifest
+from ._manifest import (CRIU_DIR, DUMP_LOG, ENGINE_LOG, FORMAT_VERSION, MANIFEST, SHM_DIR, WEIGHTS_DIR, Dependency,
+                        HostFacts, Manifest)
 from ._proctree import LaunchedTree, kill_tree, launch_tree, mapped_and_open_files, tree_pids, wait_gone
 from ._netns import NETNS_KEY, netns_inode
 from ._shm import SHM, instance_shm_dir, link_remap_files, remove_instance_shm
@@ -122,18 +125,19 @@ def _dependencies(pids: list[int], model_dir: Path, control_dir: Path) -> list[D
     return [Dependency(path=path, size=os.stat(path).st_size, sha256=digest) for path, digest in zip(ordered, digests)]
 
 
-def anonymous_bytes(pids: list[int]) -> int:
-    """The tree's anonymous memory: about what CRIU writes into pages-*.img."""
-    total = 0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/smaps_rollup") as f:
-                for line in f:
-                    if line.startswith("Anonymous:"):
-                        total += int(line.split()[1]) * 1024
-        except OSError:
-            continue
-    return total
+def process_memory(pid: int) -> dict[str, Any]:
+    """A process's command and anonymous memory (about what CRIU writes into its pages-*.img)."""
+    anonymous = 0
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Anonymous:"):
+                    anonymous += int(line.split()[1]) * 1024
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:200]
+    except OSError:
+        return {"pid": pid, "command": "?", "anonymous_bytes": 0}
+    return {"pid": pid, "command": command, "anonymous_bytes": anonymous}
 
 
 def free_bytes(path: Path) -> int:
@@ -141,9 +145,9 @@ def free_bytes(path: Path) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def require_space(staging: Path, pids: list[int]) -> None:
+def require_space(staging: Path, processes: list[dict[str, Any]]) -> None:
     """Refuse before dumping when the image cannot fit on its disk."""
-    need, free = anonymous_bytes(pids), free_bytes(staging)
+    need, free = sum(int(p["anonymous_bytes"]) for p in processes), free_bytes(staging)
     if need > free:
         raise CheckpointError(
             f"not enough space for the image on the disk holding {staging.parent}: "
@@ -192,12 +196,14 @@ def capture_image(spec: ModelSpec, *, image_dir: Path | None = None, force: bool
         control.ensure_private_dir(control_dir)  # the mount point inside the tree
         instance_id, work = new_instance_dir(control_dir, "capture")  # bound there: this capture's files
         shm_dir = instance_shm_dir(instance_id)  # bound at /dev/shm in the tree
+        staging = make_staging(image_dir)
         launch = launch_config(spec, model_dir)
+        if spec.engine == "vllm" and spec.snapshot.weights == "image":  # the engine writes it there
+            launch = launch.model_copy(update={"weights_dir": str(staging / WEIGHTS_DIR)})
         control.write_message(work, control.LAUNCH, launch)
         env = {**tree_environment(control_dir, work, spec.engine), **(extra_env or {})}
         if spec.engine == "vllm":
             env.setdefault("CUDA_VISIBLE_DEVICES", capture_gpu_uuid())
-        staging = make_staging(image_dir)
         tree: LaunchedTree | None = None
         heartbeat = control.OwnerHeartbeat(work).start()
         try:
@@ -225,8 +231,9 @@ def capture_image(spec: ModelSpec, *, image_dir: Path | None = None, force: bool
                     cuda = CudaCheckpoint()
                     cuda_pids = cuda.cuda_pids(pids)
                     cuda.checkpoint(cuda_pids)
+            processes = [process_memory(pid) for pid in pids]  # after the CUDA checkpoint: what CRIU writes
             with timings.phase("criu dump"):
-                require_space(staging, pids)
+                require_space(staging, processes)
                 try:
                     runner.dump(DumpOptions(pid=tree.root_pid, images_dir=staging / CRIU_DIR,
                                             log_file=staging / DUMP_LOG, externals=externals,
@@ -258,10 +265,13 @@ def capture_image(spec: ModelSpec, *, image_dir: Path | None = None, force: bool
                              - ready.times.get("start", 0)},
                     sizes={"image_bytes": image_bytes,
                            "criu_bytes": sum(e.size for k, e in files.items() if k.startswith(CRIU_DIR + "/"))},
-                    files=files,
+                    files=files, processes=processes,
                 )
                 control.write_atomic(staging, MANIFEST, manifest.model_dump_json(indent=2).encode())
                 publish(staging, image_dir)
+                # just hashed: the first restore need not hash the files again
+                verified.remember(image_dir, {rel: (os.lstat(image_dir / rel), entry.sha256)
+                                              for rel, entry in files.items()})
         except BaseException:
             heartbeat.stop()
             if tree is not None:

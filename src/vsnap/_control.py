@@ -71,6 +71,8 @@ class LaunchConfig(_Message):
     timeout_s: float
     # "snapshot": stop at the capture barrier; "serve": a plain cold start (what `vsnap bench` times)
     mode: Literal["snapshot", "serve"] = "snapshot"
+    # vLLM: where the engine writes its weights file at capture (a host path; None: reload from the model)
+    weights_dir: str | None = None
 
 
 class Ready(_Message):
@@ -82,6 +84,7 @@ class Ready(_Message):
 class Activation(_Message):
     host: str
     port: int = Field(ge=0, le=65535)
+    weights_dir: str | None = None  # the image's weights file directory, when it has one
 
 
 class Status(_Message):

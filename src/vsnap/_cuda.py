@@ -8,6 +8,7 @@ No cuda-checkpoint binary is needed.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,34 +97,40 @@ class CudaCheckpoint:
         return args
 
     def restore(self, pids: list[int], gpu_pairs: list[tuple[str, str]] | None = None) -> None:
-        """Restore device memory of every checkpointed process, then unlock them all.
+        """Restore device memory of every checkpointed process (in parallel), then unlock them all.
 
         ``gpu_pairs`` maps a captured GPU's UUID to the one to restore onto (every GPU the process
         saw must appear; vsnap captures with one visible GPU).
         """
         candidates = gpu_pair_candidates(gpu_pairs) if gpu_pairs else []
-        for pid in pids:
-            if self.state(pid) != "checkpointed":
-                continue
-            if not gpu_pairs:
-                self._call(pid, "cuCheckpointProcessRestore", None)
-                continue
-            errors = []
-            for pairs in candidates:
-                try:
-                    args = self._restore_args(pairs)
-                except (AttributeError, TypeError, ValueError):
-                    args = None  # this cuda-bindings cannot build the struct: the C ABI through ctypes
-                result = (_ctypes_restore(pid, pairs) if args is None
-                          else int(self.driver.cuCheckpointProcessRestore(pid, args)[0]))
-                if result == 0:
-                    break
-                errors.append(f"{len(pairs)} pair(s) via {'ctypes' if args is None else 'cuda-bindings'}: CUresult {result}")
-            else:
-                raise CudaCheckpointError(pid, "cuCheckpointProcessRestore", "; ".join(errors))
+        waiting = [pid for pid in pids if self.state(pid) == "checkpointed"]
+        if len(waiting) > 1:  # the driver calls release the GIL: processes restore side by side
+            with ThreadPoolExecutor(max_workers=len(waiting)) as pool:
+                for future in [pool.submit(self._restore_one, pid, candidates) for pid in waiting]:
+                    future.result()
+        else:
+            for pid in waiting:
+                self._restore_one(pid, candidates)
         for pid in pids:
             if self.state(pid) == "locked":
                 self._call(pid, "cuCheckpointProcessUnlock", None)
+
+    def _restore_one(self, pid: int, candidates: list[list[tuple[str, str]]]) -> None:
+        if not candidates:
+            self._call(pid, "cuCheckpointProcessRestore", None)
+            return
+        errors = []
+        for pairs in candidates:
+            try:
+                args = self._restore_args(pairs)
+            except (AttributeError, TypeError, ValueError):
+                args = None  # this cuda-bindings cannot build the struct: the C ABI through ctypes
+            result = (_ctypes_restore(pid, pairs) if args is None
+                      else int(self.driver.cuCheckpointProcessRestore(pid, args)[0]))
+            if result == 0:
+                return
+            errors.append(f"{len(pairs)} pair(s) via {'ctypes' if args is None else 'cuda-bindings'}: CUresult {result}")
+        raise CudaCheckpointError(pid, "cuCheckpointProcessRestore", "; ".join(errors))
 
 
 def gpu_pair_candidates(gpu_pairs: list[tuple[str, str]]) -> list[list[tuple[str, str]]]:

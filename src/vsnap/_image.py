@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from . import _verified as verified
 from ._errors import ImageError, ImageTampered
 from ._manifest import MANIFEST, FileEntry, Manifest
 
@@ -158,8 +159,13 @@ def publish(staging: Path, image_dir: Path) -> None:
         os.close(fd)
 
 
-def verify_files(image_dir: Path, manifest: Manifest) -> None:
-    """Every file the manifest lists is a regular file of the recorded size and sha256; no others exist."""
+def verify_files(image_dir: Path, manifest: Manifest, *, cache_root: Path | None = None) -> list[str]:
+    """Every file the manifest lists is a regular file of the recorded size and sha256; no others exist.
+
+    With ``cache_root``, files this host already hashed and that did not change since (see
+    _verified) are not hashed again, and the ones hashed now are remembered there. Returns the
+    files that were hashed.
+    """
     listed = set(manifest.files)
     for path in sorted(image_dir.rglob("*")):
         rel = str(path.relative_to(image_dir))
@@ -167,6 +173,9 @@ def verify_files(image_dir: Path, manifest: Manifest) -> None:
             raise ImageTampered(rel, "a regular file", "a symlink")
         if path.is_file() and rel != MANIFEST and rel not in listed:
             raise ImageTampered(rel, "no such file", "an unlisted file")
+    known = verified.load(image_dir, cache_root) if cache_root is not None else {}
+    to_hash: dict[str, int] = {}
+    stats: dict[str, os.stat_result] = {}
     for rel, entry in manifest.files.items():
         path = image_dir / rel
         try:
@@ -177,7 +186,15 @@ def verify_files(image_dir: Path, manifest: Manifest) -> None:
             raise ImageTampered(rel, "a regular file", "something else")
         if st.st_size != entry.size:
             raise ImageTampered(rel, f"{entry.size} bytes", f"{st.st_size} bytes")
-    digests = piece_hashes(image_dir, {rel: entry.size for rel, entry in manifest.files.items()})
+        stats[rel] = st
+        if not verified.still_verified(known, rel, st, entry.sha256):
+            to_hash[rel] = entry.size
+    digests = piece_hashes(image_dir, to_hash)
     for rel, digest in sorted(digests.items()):
         if digest != manifest.files[rel].sha256:
+            verified.forget(image_dir, cache_root or verified.VERIFIED_DIR)
             raise ImageTampered(rel, f"sha256 {manifest.files[rel].sha256[:16]}…", f"sha256 {digest[:16]}…")
+    if cache_root is not None and digests:
+        verified.remember(image_dir, {rel: (stats[rel], entry.sha256) for rel, entry in manifest.files.items()},
+                          cache_root)
+    return sorted(digests)

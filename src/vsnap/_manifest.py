@@ -16,6 +16,7 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 CRIU_DIR = "criu"
 SHM_DIR = "shm"
+WEIGHTS_DIR = "weights"  # vllm: the loaded parameters, one flat file per rank (engine/adapters/vllm_weights.py)
 LOGS_DIR = "logs"
 DUMP_LOG = "logs/dump.log"
 ENGINE_LOG = "logs/engine.log"
@@ -76,6 +77,7 @@ class Manifest(_Frozen):
     dependencies: list[Dependency] = Field(default_factory=list)
     timings: dict[str, float] = Field(default_factory=dict)
     sizes: dict[str, int] = Field(default_factory=dict)
+    processes: list[dict[str, Any]] = Field(default_factory=list)  # pid, command, anonymous_bytes at the dump
     files: dict[str, FileEntry]        # every other file of the image, relative path -> size and sha256
 
 

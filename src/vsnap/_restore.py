@@ -7,6 +7,7 @@ kills the tree, so nothing is left running.
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import time
@@ -23,7 +24,8 @@ from ._errors import EngineError, HostNotReady, OracleMismatch, ProcessTreeError
 from ._events import ProgressCallback, Timings
 from ._host import check_criu, check_root, require_host_matches
 from ._image import verify_files
-from ._manifest import CRIU_DIR, ENGINE_LOG, SHM_DIR, Manifest, read_manifest
+from ._manifest import CRIU_DIR, ENGINE_LOG, SHM_DIR, WEIGHTS_DIR, Manifest, read_manifest
+from ._verified import VERIFIED_DIR
 from ._netns import NetnsHolder
 from ._instances import InstanceRecord, new_instance_dir, register, unregister
 from ._proctree import alive, become_subreaper, kill_tree, reap, tree_pids
@@ -45,6 +47,7 @@ class RestoredServer:
     gpu: str | None = None
     timings: dict[str, float] = field(default_factory=dict)
     recovery: dict[str, float] = field(default_factory=dict)
+    weights_source: str | None = None  # vllm: "image weights file" or "model files"
     heartbeat: control.OwnerHeartbeat | None = None
 
     @property
@@ -132,32 +135,51 @@ def health_check(url: str, timeout_s: float = 30) -> None:
     raise EngineError("serve", "HealthCheckFailed", f"{url}/health did not answer 200 ({last})")
 
 
-def verify_image(image_dir: Path) -> Manifest:
-    """Everything a restore checks before CRIU starts: manifest, every file's sha256, this host."""
+def verify_image(image_dir: Path, *, rehash: bool = False) -> Manifest:
+    """Everything a restore checks before CRIU starts: manifest, every file's sha256, this host.
+
+    Files this host hashed before and that did not change since are not hashed again (see
+    _verified) unless ``rehash``.
+    """
     manifest = read_manifest(image_dir)
-    verify_files(image_dir, manifest)
+    verify_files(image_dir, manifest, cache_root=None if rehash else VERIFIED_DIR)
     require_host_matches(manifest)
     return manifest
 
 
+def read_ahead(directory: Path) -> None:
+    """Ask the kernel to start reading these files into the page cache (returns at once)."""
+    for path in directory.glob("*"):
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        finally:
+            os.close(fd)
+
+
 def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000, gpu: str | None = None,
-                  on_event: ProgressCallback | None = None) -> RestoredServer:
+                  rehash: bool = False, on_event: ProgressCallback | None = None) -> RestoredServer:
     """Restore a new instance of the image's tree, activate it on host:port and return once it serves.
 
     Each call gets its own instance directory, PID namespace and (for vLLM) GPU: ``gpu`` is an
     index or UUID; by default the captured GPU if present, else the first of the same model with
-    enough free memory.
+    enough free memory. ``rehash``: hash every image file even if this host verified it before.
     """
     image_dir = Path(image_dir).absolute()
     timings = Timings(on_event)
     with timings.phase("verify image"):
         check_root()
         check_criu()
-        manifest = verify_image(image_dir)
+        manifest = verify_image(image_dir, rehash=rehash)
         check_port_free(host, port)
         target = choose_gpu(manifest, gpu) if manifest.cuda_processes else None
     control_dir = Path(manifest.control_dir)
+    weights_dir = image_dir / WEIGHTS_DIR
     with timings.phase("prepare host"):
+        read_ahead(weights_dir)  # read while CRIU and CUDA restore; the engine streams it at recover
         control.ensure_private_dir(control_dir)  # the mount point inside the tree
         instance_id, work = new_instance_dir(control_dir, "r")
         # CRIU reopens the log at its captured size and mode: put the captured log back.
@@ -195,7 +217,8 @@ def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000,
                 pairs = [(captured, target["uuid"])] if target and captured and target["uuid"] != captured else []
                 cuda.restore(cuda_pids, gpu_pairs=pairs)
         with timings.phase("recover"):
-            control.write_message(work, control.ACTIVATION, Activation(host=host, port=port))
+            control.write_message(work, control.ACTIVATION, Activation(
+                host=host, port=port, weights_dir=str(weights_dir) if weights_dir.is_dir() else None))
             validated = _wait_status(work, pid, ("validated",), "recover", engine_log)
         with timings.phase("serve"):
             started = time.monotonic()
@@ -219,6 +242,7 @@ def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000,
     server.timings = dict(timings.seconds)
     t = validated.times
     server.recovery = {k: v for k, v in validated.detail.items() if isinstance(v, (int, float))}
+    server.weights_source = validated.detail.get("weights_source")
     if "recovered" in t and "oracle_checked" in t:
         server.recovery["oracle_s"] = t["oracle_checked"] - t["recovered"]
     server.recovery.update(serve_split)  # the serve phase: socket handoff, then the server's own start

@@ -44,6 +44,11 @@ class SnapshotSettings(_Strict):
         default=None, description="private directory of the control files; default /run/vsnap/<name>"
     )
     timeout_s: float = Field(default=900, gt=0, le=7 * 24 * 3600, allow_inf_nan=False)
+    weights: Literal["image", "model"] = Field(
+        default="image",
+        description="vllm: 'image' keeps the loaded weights in the image (one flat file, streamed back "
+                    "at restore); 'model' reloads them from the model's files (smaller image, slower restore)",
+    )
 
     @field_validator("control_dir")
     @classmethod

@@ -32,8 +32,11 @@ def test_vllm_capture_restore_serves_the_oracle(tmp_path: Path) -> None:
         f"snapshot:\n  control_dir: {tmp_path}/control\noracle:\n  tolerance: 0.001\n")
     captured = capture_image(load_spec(spec_path))
     assert captured.manifest.cuda_processes >= 1
+    assert (captured.image_dir / "weights" / "rank0.bin").stat().st_size > 0
     server = restore_image(captured.image_dir, port=0)
     try:
+        assert server.weights_source == "image weights file"
+        assert server.recovery["weights_bytes"] == (captured.image_dir / "weights" / "rank0.bin").stat().st_size
         script = Path(__file__).resolve().parents[2] / "scripts" / "check_oracle.py"
         out = subprocess.run([sys.executable, str(script), str(captured.image_dir), server.url],
                              capture_output=True, text=True)

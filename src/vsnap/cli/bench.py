@@ -18,13 +18,15 @@ from . import app, error_boundary
 @error_boundary
 def bench(
     spec: Path = typer.Argument(..., help="model.yaml"),
-    runs: int = typer.Option(3, "--runs", min=1, max=20, help="restores (and warm cold starts) to take the median of"),
+    runs: int = typer.Option(3, "--runs", min=1, max=20, help="restores to take the median of"),
+    cold_runs: int = typer.Option(0, "--cold-runs", min=0, max=20,
+                                  help="cold starts with a warm compile cache (0: runs - 1, at least 1)"),
     out: Path = typer.Option(Path("docs/benchmarks"), "--out", help="where the record goes"),
     as_json: bool = typer.Option(False, "--json", help="print the record as JSON"),
 ) -> None:
     progress = _render.PhaseProgress()
     try:
-        record = _bench.run_bench(load_spec(spec), runs=runs, out_dir=out, on_event=progress)
+        record = _bench.run_bench(load_spec(spec), runs=runs, cold_runs=cold_runs or None, out_dir=out, on_event=progress)
     finally:
         progress.close()
     if as_json:

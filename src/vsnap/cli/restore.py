@@ -23,11 +23,14 @@ def restore(
     gpu: Optional[str] = typer.Option(None, "--gpu", help="GPU index or UUID (vLLM images; default: the captured GPU, "
                                                   "else the first of its model with enough free memory)"),
     detach: bool = typer.Option(False, "--detach", help="leave the server running and print its pid"),
+    rehash: bool = typer.Option(False, "--rehash", help="hash every image file, even those this host "
+                                                        "verified before and that did not change since"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON document on stdout"),
 ) -> None:
     progress = _render.PhaseProgress()
     try:
-        server = _restore.restore_image(image, host=host, port=port, gpu=gpu, on_event=progress)
+        server = _restore.restore_image(image, host=host, port=port, gpu=gpu, rehash=rehash,
+                                         on_event=progress)
     finally:
         progress.close()
     if as_json:
@@ -35,12 +38,15 @@ def restore(
             "pid": server.pid, "url": server.url, "host": server.host, "port": server.port,
             "instance": server.instance_id, "instance_dir": str(server.instance_dir), "gpu": server.gpu,
             "timings": server.timings, "total_s": sum(server.timings.values()), "recovery": server.recovery,
+            "weights_source": server.weights_source,
             "engine_log": str(server.engine_log), "restore_log": str(server.restore_log), "detached": detach,
         })
     else:
         _render.stdout.print(_render.timing_table(f"restored {server.image_dir}", server.timings, server.recovery))
         _render.stdout.print(f"instance {server.instance_id} serving {server.url} (pid {server.pid}"
-                             f"{', GPU ' + server.gpu if server.gpu else ''}); engine log {server.engine_log}")
+                             f"{', GPU ' + server.gpu if server.gpu else ''}"
+                             f"{', weights from the ' + server.weights_source if server.weights_source else ''}); "
+                             f"engine log {server.engine_log}")
     if detach:
         server.detach()
         return

@@ -17,6 +17,7 @@ from .._control import Activation, LaunchConfig, Ready, Status
 from .._errors import ControlProtocolError, PhaseTimeout
 from .._oracle import compare_oracles
 from .adapters.base import make_adapter
+from .heap import release_heap
 
 
 async def wait_for_activation(control_dir: Path, timeout_s: float) -> Activation:
@@ -74,15 +75,16 @@ async def run_engine(control_dir: Path) -> None:
             return
         phase = "prepare"
         oracle = await adapter.prepare()
+        release_heap()  # freed memory would otherwise be written into the image
         times["prepared"] = time.time()
         phase = "capture barrier"
         control.write_message(control_dir, control.READY, Ready(pid=os.getpid(), oracle=oracle, times=times))
-        await wait_for_activation(control_dir, launch.timeout_s)
+        activation = await wait_for_activation(control_dir, launch.timeout_s)
         # From here on the tree may have been restored: wall-clock times only.
         phase = "recover"
         recovery: dict[str, float] = {"activated": time.time()}
         control.write_message(control_dir, control.STATUS, Status(state="recovering", times=recovery))
-        detail = await adapter.recover()
+        detail = await adapter.recover(activation)
         recovery["recovered"] = time.time()
         again = await adapter.run_oracle()
         recovery["oracle_checked"] = time.time()

@@ -6,7 +6,7 @@ import abc
 import socket
 from typing import Any
 
-from ..._control import LaunchConfig
+from ..._control import Activation, LaunchConfig
 from ..._oracle import Oracle
 
 
@@ -25,7 +25,7 @@ class EngineAdapter(abc.ABC):
         """Compute the oracle, then release what can be rebuilt (weights, caches)."""
 
     @abc.abstractmethod
-    async def recover(self) -> dict[str, Any]:
+    async def recover(self, activation: Activation) -> dict[str, Any]:
         """Re-acquire memory and reload weights; return timings. The launcher re-runs the oracle."""
 
     @abc.abstractmethod

@@ -14,6 +14,7 @@ import threading
 import time
 from typing import Any
 
+from ..._control import Activation
 from ..._errors import EngineError
 from ..._oracle import Oracle, OracleSample
 from .. import cpu_model
@@ -93,7 +94,7 @@ class CpuAdapter(EngineAdapter):
         await self.call("drop_weights")
         return oracle
 
-    async def recover(self) -> dict[str, Any]:
+    async def recover(self, activation: Activation) -> dict[str, Any]:
         start = time.monotonic()
         loaded = await self.call("load_weights")
         return {"reload_weights_s": time.monotonic() - start, "weight_bytes": loaded}

@@ -1,21 +1,26 @@
 """Real vLLM (AsyncLLM + its OpenAI app) on one CUDA GPU, with sleep mode and weight reload.
 
-prepare(): oracle, a sleep/wake rehearsal (so a restore never runs a path that was never run),
-then sleep level 2 (weights and KV cache released: little GPU memory left to checkpoint).
-recover(): wake the weights, reload them from the model's safetensors, wake the KV cache.
+prepare(): oracle, the weights file (vllm_weights), a sleep/wake rehearsal (so a restore never
+runs a path that was never run), then sleep level 2 (weights and KV cache released: little GPU
+memory left to checkpoint).
+recover(): wake the weights, stream them back from the image's weights file (or reload them
+from the model's safetensors through vLLM's loader), wake the KV cache.
 serve(): vLLM's own OpenAI app on the socket bound after activation.
 """
 
 from __future__ import annotations
 
+import shutil
 import socket
 import time
+from pathlib import Path
 import uuid
 from typing import Any
 
-from ..._errors import EngineError
+from ..._control import Activation
+from ..._errors import EngineError, OracleMismatch
 from ..._oracle import Oracle, OracleSample, compare_oracles
-from . import vllm_rules
+from . import vllm_rules, vllm_weights
 from .base import EngineAdapter
 
 
@@ -30,6 +35,8 @@ class VllmAdapter(EngineAdapter):
         self.engine: Any = None
         self.args: Any = None
         self.app: Any = None  # vLLM's OpenAI app, built before the capture when possible
+        # "file": weights come back from the image's weights file; "model": through vLLM's loader
+        self.weights_source = "model"
 
     async def build(self) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -49,6 +56,8 @@ class VllmAdapter(EngineAdapter):
             raise _refuse("build engine", refusals)
         validate_parsed_serve_args(args)
         args.served_model_name = [self.launch.served_model_name]
+        if self.launch.weights_dir and not args.worker_extension_cls:  # a user's extension wins
+            args.worker_extension_cls = vllm_weights.EXTENSION
         self.args = args
         engine_args = AsyncEngineArgs.from_cli_args(args)
         config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
@@ -85,29 +94,65 @@ class VllmAdapter(EngineAdapter):
     async def _sleep(self) -> None:
         await self.engine.sleep(level=2)
 
-    async def recover(self) -> dict[str, Any]:
+    async def _rpc(self, method: str, *args: Any) -> dict[str, Any]:
+        results = await self.engine.collective_rpc(method, args=args)
+        return dict(results[0]) if results else {}
+
+    async def _reload(self, weights_dir: str | None) -> dict[str, Any]:
+        if self.weights_source == "file" and weights_dir:
+            if Path(weights_dir, vllm_weights.file_name(0)).is_file():
+                times = await self._rpc("vsnap_load_weights", weights_dir)
+                return {**times, "reload_weights_s": times["weights_load_s"], "weights_source": "image weights file"}
+            print(f"vsnap: {weights_dir} is not visible in the restored tree; reloading from the model's files",
+                  flush=True)
+        start = time.monotonic()
+        await self.engine.collective_rpc("reload_weights")
+        return {"reload_weights_s": time.monotonic() - start, "weights_source": "model files"}
+
+    async def recover(self, activation: Activation) -> dict[str, Any]:
+        return await self._wake(activation.weights_dir)
+
+    async def _wake(self, weights_dir: str | None) -> dict[str, Any]:
         times: dict[str, Any] = {}
         start = time.monotonic()
         await self.engine.wake_up(tags=["weights"])
         times["wake_weights_s"] = time.monotonic() - start
-        start = time.monotonic()
-        await self.engine.collective_rpc("reload_weights")
-        times["reload_weights_s"] = time.monotonic() - start
+        times.update(await self._reload(weights_dir))
         start = time.monotonic()
         await self.engine.wake_up(tags=["kv_cache"])
         times["wake_kv_cache_s"] = time.monotonic() - start
         return times
 
+    async def _rehearse(self, oracle: Oracle) -> None:
+        """Sleep, wake and reload as a restore will, then require the same oracle."""
+        await self._sleep()
+        await self._wake(self.launch.weights_dir)
+        compare_oracles(oracle, await self.run_oracle(), self.launch.oracle_tolerance)
+
     async def prepare(self) -> Oracle:
         oracle = await self.run_oracle()
+        weights_dir = self.launch.weights_dir
+        if weights_dir and self.args.worker_extension_cls == vllm_weights.EXTENSION:
+            await self._rpc("vsnap_save_weights", weights_dir)
+            self.weights_source = "file"
         # Rehearse the exact recovery path once before the capture: a restore must not be the
         # first time sleep level 2, weight reload and wake run in this process.
-        await self._sleep()
-        await self.recover()
-        rehearsal = await self.run_oracle()
-        compare_oracles(oracle, rehearsal, self.launch.oracle_tolerance)
+        try:
+            await self._rehearse(oracle)
+        except OracleMismatch as mismatch:
+            if self.weights_source != "file":
+                raise
+            # Parameters alone do not hold all of this model's loaded state: reload through vLLM.
+            print(f"vsnap: the weights file did not reproduce the oracle ({mismatch}); "
+                  "restores will reload from the model's files", flush=True)
+            shutil.rmtree(weights_dir, ignore_errors=True)  # type: ignore[arg-type]
+            self.weights_source = "model"
+            await self._rehearse(oracle)
         await self._sleep()
         await self._prebuild_app()
+        if self.args.worker_extension_cls == vllm_weights.EXTENSION:
+            released = await self._rpc("vsnap_release_memory")
+            print(f"vsnap: before the checkpoint: {released}", flush=True)
         return oracle
 
     async def _prebuild_app(self) -> None:

@@ -1,0 +1,88 @@
+"""Which image files this host has already hashed, so a restore does not hash them again.
+
+A restore must know every image file is the one the manifest names before CRIU runs. Hashing
+takes about 0.1 s per GB on 16 cores; an 8B image with its weights file is ~19 GB. So a file is
+hashed in full once (at capture, by the first restore, or by ``vsnap validate``), and its identity
+is remembered as (device, inode, size, mtime, ctime): any write or chmod changes ctime, which
+no one but the kernel sets (short of changing the system clock, which needs root). A file is
+only remembered when it is owned by this user and not writable by group or others, inside the
+image directory whose parent ``check_parent`` already requires to be private. The record lives
+under /run (tmpfs): a reboot forgets it, and the next restore hashes everything again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+from pathlib import Path
+
+from ._control import write_atomic
+
+VERIFIED_DIR = Path("/run/vsnap/verified")
+
+Identity = list[int]
+
+
+def identity(st: os.stat_result) -> Identity | None:
+    """What must not change for a hashed file to count as still verified; None: never trust the stat."""
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        return None
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def _record_path(image_dir: Path, root: Path) -> Path:
+    return root / (hashlib.sha256(os.fsencode(image_dir.resolve())).hexdigest()[:32] + ".json")
+
+
+def _private(path: Path) -> bool:
+    st = os.lstat(path)
+    return st.st_uid == os.geteuid() and not st.st_mode & 0o077 and not stat.S_ISLNK(st.st_mode)
+
+
+def load(image_dir: Path, root: Path = VERIFIED_DIR) -> dict[str, dict]:
+    """rel path -> {"identity": [...], "sha256": ...} of files hashed before; {} when unknown."""
+    record = _record_path(image_dir, root)
+    try:
+        if not (_private(root) and _private(record)):
+            return {}  # a record anyone else could have written is no record
+        data = json.loads(record.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict) or data.get("image") != str(image_dir.resolve()):
+        return {}
+    files = data.get("files")
+    return files if isinstance(files, dict) else {}
+
+
+def still_verified(record: dict[str, dict], rel: str, st: os.stat_result, sha256: str) -> bool:
+    known = record.get(rel)
+    now = identity(st)
+    return bool(known) and now is not None and known.get("identity") == now and known.get("sha256") == sha256
+
+
+def remember(image_dir: Path, digests: dict[str, tuple[os.stat_result, str]], root: Path = VERIFIED_DIR) -> None:
+    """Record files just hashed: rel path -> (their stat taken before hashing, the sha256 that
+    matched the manifest). A file whose stat changed meanwhile is not recorded."""
+    files = {}
+    for rel, (before, digest) in digests.items():
+        ident = identity(before)
+        try:
+            if ident is None or identity(os.lstat(image_dir / rel)) != ident:
+                continue
+        except OSError:
+            continue
+        files[rel] = {"identity": ident, "sha256": digest}
+    try:
+        root.mkdir(parents=True, mode=0o700, exist_ok=True)
+        if not _private(root):
+            return  # someone else's directory: never trust, never write
+        write_atomic(root, _record_path(image_dir, root).name,
+                     json.dumps({"image": str(image_dir.resolve()), "files": files}).encode())
+    except OSError:
+        pass  # only a cache: the next restore hashes again
+
+
+def forget(image_dir: Path, root: Path = VERIFIED_DIR) -> None:
+    _record_path(image_dir, root).unlink(missing_ok=True)
