@@ -125,19 +125,29 @@ def _dependencies(pids: list[int], model_dir: Path, control_dir: Path) -> list[D
     return [Dependency(path=path, size=os.stat(path).st_size, sha256=digest) for path, digest in zip(ordered, digests)]
 
 
-def process_memory(pid: int) -> dict[str, Any]:
-    """A process's command and anonymous memory (about what CRIU writes into its pages-*.img)."""
-    anonymous = 0
+def process_memory(pid: int, top: int = 6) -> dict[str, Any]:
+    """A process's command, anonymous memory (about what CRIU writes into its pages-*.img) and its
+    largest anonymous mappings (to see what fills an image)."""
+    anonymous, mappings, header = 0, [], ""
     try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
+        with open(f"/proc/{pid}/smaps") as f:
             for line in f:
-                if line.startswith("Anonymous:"):
-                    anonymous += int(line.split()[1]) * 1024
+                if line[:1] in "0123456789abcdef" and "-" in line.split(" ", 1)[0]:
+                    header = line
+                elif line.startswith("Anonymous:"):
+                    size = int(line.split()[1]) * 1024
+                    anonymous += size
+                    if size:
+                        fields = header.split()
+                        mappings.append({"bytes": size, "perms": fields[1] if len(fields) > 1 else "?",
+                                         "name": fields[5] if len(fields) > 5 else "[anon]"})
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:200]
     except OSError:
-        return {"pid": pid, "command": "?", "anonymous_bytes": 0}
-    return {"pid": pid, "command": command, "anonymous_bytes": anonymous}
+        return {"pid": pid, "command": "?", "anonymous_bytes": 0, "largest_mappings": []}
+    mappings.sort(key=lambda m: -m["bytes"])
+    return {"pid": pid, "command": command, "anonymous_bytes": anonymous, "mappings": len(mappings),
+            "largest_mappings": mappings[:top]}
 
 
 def free_bytes(path: Path) -> int:

@@ -13,6 +13,7 @@ import socket
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -172,10 +173,18 @@ def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000,
     timings = Timings(on_event)
     with timings.phase("verify image"):
         check_root()
-        check_criu()
-        manifest = verify_image(image_dir, rehash=rehash)
-        check_port_free(host, port)
-        target = choose_gpu(manifest, gpu) if manifest.cuda_processes else None
+        manifest = read_manifest(image_dir)
+        # Independent checks side by side (the GPU ones start the CUDA driver, which the CUDA
+        # restore needs anyway); the first failure in this order is the one reported.
+        with ThreadPoolExecutor(max_workers=5) as pool:
+            checks = [pool.submit(check_criu),
+                      pool.submit(verify_files, image_dir, manifest, cache_root=None if rehash else VERIFIED_DIR),
+                      pool.submit(require_host_matches, manifest),
+                      pool.submit(check_port_free, host, port)]
+            choosing = pool.submit(choose_gpu, manifest, gpu) if manifest.cuda_processes else None
+            for check in checks:
+                check.result()
+            target = choosing.result() if choosing is not None else None
     control_dir = Path(manifest.control_dir)
     weights_dir = image_dir / WEIGHTS_DIR
     with timings.phase("prepare host"):

@@ -10,6 +10,7 @@ serve(): vLLM's own OpenAI app on the socket bound after activation.
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import socket
 import time
@@ -164,6 +165,9 @@ class VllmAdapter(EngineAdapter):
             tasks = await self.engine.get_supported_tasks()
             app = build_app(self.args, tasks, self.engine.model_config)
             await init_app_state(self.engine, app.state, self.args, tasks)
+            import uvicorn
+
+            uvicorn.Config(app).load()  # imports uvicorn's protocol modules now, not after restore
             self.app = app
         except Exception as exc:  # not fatal: the slower path still works
             print(f"vsnap: could not prebuild the OpenAI app ({type(exc).__name__}: {exc}); "
@@ -176,6 +180,7 @@ class VllmAdapter(EngineAdapter):
 
         host, port = sock.getsockname()[:2]
         self.args.host, self.args.port = host, port
+        asyncio.get_running_loop().create_task(self._report_started(time.monotonic()))
         if self.app is None:
             shutdown = await build_and_serve(self.engine, f"http://{host}:{port}", sock, self.args)
         else:  # the same settings build_and_serve gives uvicorn
@@ -188,6 +193,16 @@ class VllmAdapter(EngineAdapter):
                 ssl_ciphers=args.ssl_ciphers, h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
                 h11_max_header_count=args.h11_max_header_count)
         await shutdown
+
+    async def _report_started(self, since: float) -> None:
+        """Log when uvicorn accepts requests (the "http_start" part of a restore's serve phase)."""
+        server = None
+        while server is None or not server.started:
+            await asyncio.sleep(0.002)
+            server = getattr(getattr(self.app, "state", None), "server", None) if self.app is not None else None
+            if time.monotonic() - since > 60:
+                return
+        print(f"vsnap: uvicorn started {time.monotonic() - since:.3f} s after the socket arrived", flush=True)
 
     async def shutdown(self) -> None:
         engine, self.engine = self.engine, None
