@@ -27,6 +27,15 @@ oracle:
 YAML
 "$PY" -m vsnap bench "$SPEC" --runs "${RUNS:-3}" --out "$OUT/bench" 2>&1 | tail -40
 rc=${PIPESTATUS[0]}
+# One more restore through the CLI, kept up long enough to read the engine's own timings.
+IMAGE=$WORK/images/bench-$SHAPE
+if [ $rc -eq 0 ]; then
+  "$PY" -m vsnap restore "$IMAGE" --port 8012 --detach --json > "$OUT/bench/restore-cli.json" 2> "$OUT/bench/restore-cli.err"
+  dir=$("$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['instance_dir'])" "$OUT/bench/restore-cli.json")
+  "$PY" scripts/check_oracle.py "$IMAGE" http://127.0.0.1:8012 > "$OUT/bench/check-cli.json"; echo "oracle over HTTP rc=$?"
+  grep -h "^vsnap:" "$IMAGE/logs/engine.log" "$dir/engine.log" | cut -c1-300
+  "$PY" -m vsnap stop "$IMAGE" --json > /dev/null
+fi
 for d in "$WORK/control/bench-$SHAPE".instances/* "$WORK/control/bench-$SHAPE-bench".instances/*; do
   [ -f "$d/engine.log" ] && tail -30 "$d/engine.log" > "$OUT/bench/engine-$(basename "$d").log"
 done

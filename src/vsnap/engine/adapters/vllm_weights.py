@@ -190,8 +190,9 @@ class WeightsFileExtension:
         self._vsnap_layout = segments
         return {"weights_bytes": float(path.stat().st_size), "weights_save_s": time.monotonic() - start}
 
-    def vsnap_load_weights(self, directory: str) -> dict[str, float]:
-        """Stream DIRECTORY/rank<N>.bin back into the (awake, empty) parameters."""
+    def vsnap_start_loading_weights(self, directory: str) -> None:
+        """Start streaming DIRECTORY/rank<N>.bin into the (awake, empty) parameters in the
+        background, so the KV cache can be woken meanwhile; vsnap_finish_loading_weights waits."""
         saved: list[Segment] | None = getattr(self, "_vsnap_layout", None)
         if saved is None:
             raise RuntimeError("no weights file was written by this process")
@@ -201,7 +202,16 @@ class WeightsFileExtension:
             changed = next((a.name for a, b in zip(saved, now) if a != b), f"{len(saved)} vs {len(now)} parameters")
             raise RuntimeError(f"the model's parameters changed since the weights file was written ({changed})")
         path = Path(directory) / file_name(self._vsnap_rank())
-        return stream_into(path, now, [flat_bytes(t) for _, t in named])
+        pool = ThreadPoolExecutor(max_workers=1)
+        self._vsnap_loading = (pool, pool.submit(stream_into, path, now, [flat_bytes(t) for _, t in named]))
+
+    def vsnap_finish_loading_weights(self) -> dict[str, float]:
+        pool, future = self._vsnap_loading
+        try:
+            return future.result()
+        finally:
+            pool.shutdown()
+            del self._vsnap_loading
 
     def vsnap_release_memory(self) -> dict[str, float]:
         """Before a checkpoint: drop what the image need not carry (cached GPU blocks, freed heap)."""
