@@ -65,25 +65,31 @@ def cold_start(spec: ModelSpec, env_extra: dict[str, str]) -> float:
         remove_instance_shm(shm)
 
 
-def read_bandwidth(paths: list[Path]) -> float:
-    """Bytes per second reading these files in 32 MiB pieces on 8 threads (as a restore streams the
-    weights file), from whatever the page cache holds."""
+def read_bandwidth(paths: list[Path], threads: int = 8, piece: int = 32 << 20) -> float:
+    """Bytes per second reading these files in 32 MiB pieces on 8 threads, each into its own
+    reused buffer (as a restore streams the weights file), from whatever the page cache holds."""
+    import itertools
     import os
     from concurrent.futures import ThreadPoolExecutor
 
-    piece = 32 << 20
     jobs = [(path, offset) for path in paths for offset in range(0, path.stat().st_size, piece)]
+    counter = itertools.count()
+    buffers = [bytearray(piece) for _ in range(threads)]  # allocated (and zeroed) before the clock starts
 
-    def read(job: tuple[Path, int]) -> int:
-        fd = os.open(job[0], os.O_RDONLY)
-        try:
-            return len(os.pread(fd, piece, job[1]))
-        finally:
-            os.close(fd)
+    def reader(buffer: bytearray) -> int:
+        total = 0
+        while (index := next(counter)) < len(jobs):
+            path, offset = jobs[index]
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                total += os.preadv(fd, [buffer], offset)
+            finally:
+                os.close(fd)
+        return total
 
     start = time.monotonic()
-    with ThreadPoolExecutor(max_workers=8) as pool:
-        total = sum(pool.map(read, jobs))
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        total = sum(pool.map(reader, buffers))
     return total / max(time.monotonic() - start, 1e-9)
 
 
