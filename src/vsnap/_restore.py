@@ -49,6 +49,7 @@ class RestoredServer:
     timings: dict[str, float] = field(default_factory=dict)
     recovery: dict[str, float] = field(default_factory=dict)
     weights_source: str | None = None  # vllm: "image weights file" or "model files"
+    hashed_files: int = 0  # image files hashed by this restore (the others were verified before, unchanged)
     heartbeat: control.OwnerHeartbeat | None = None
 
     @property
@@ -177,8 +178,8 @@ def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000,
         # Independent checks side by side (the GPU ones start the CUDA driver, which the CUDA
         # restore needs anyway); the first failure in this order is the one reported.
         with ThreadPoolExecutor(max_workers=5) as pool:
-            checks = [pool.submit(check_criu),
-                      pool.submit(verify_files, image_dir, manifest, cache_root=None if rehash else VERIFIED_DIR),
+            hashing = pool.submit(verify_files, image_dir, manifest, cache_root=None if rehash else VERIFIED_DIR)
+            checks = [pool.submit(check_criu), hashing,
                       pool.submit(require_host_matches, manifest),
                       pool.submit(check_port_free, host, port)]
             choosing = pool.submit(choose_gpu, manifest, gpu) if manifest.cuda_processes else None
@@ -252,6 +253,7 @@ def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000,
     t = validated.times
     server.recovery = {k: v for k, v in validated.detail.items() if isinstance(v, (int, float))}
     server.weights_source = validated.detail.get("weights_source")
+    server.hashed_files = len(hashing.result())
     if "recovered" in t and "oracle_checked" in t:
         server.recovery["oracle_s"] = t["oracle_checked"] - t["recovered"]
     server.recovery.update(serve_split)  # the serve phase: socket handoff, then the server's own start

@@ -279,3 +279,18 @@ def test_changed_host_files_are_named_and_changed_weights_fail_the_oracle(tmp_pa
     assert result.returncode == 7, result.stderr
     assert "OracleMismatch" in result.stderr or "expected" in result.stderr
     assert engine_processes(tmp_path / "control" / "deps") == []
+
+
+def test_restore_hashes_only_files_not_verified_before(captured: CapturedImage) -> None:
+    """Capture seeds the verification record: a restore then hashes nothing, unless --rehash
+    (tests/unit/test_verified.py covers files changed in place)."""
+    first = restore_image(captured.image, port=0)
+    stop_server(first)
+    again = restore_image(captured.image, port=0)
+    stop_server(again)
+    assert again.hashed_files == 0
+    result = run_vsnap("restore", str(captured.image), "--port", "0", "--rehash", "--detach", "--json")
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["hashed_files"] == len(captured.manifest.files) > 0
+    assert run_vsnap("stop", doc["instance"], "--json").returncode == 0

@@ -38,7 +38,7 @@ def restore(
             "pid": server.pid, "url": server.url, "host": server.host, "port": server.port,
             "instance": server.instance_id, "instance_dir": str(server.instance_dir), "gpu": server.gpu,
             "timings": server.timings, "total_s": sum(server.timings.values()), "recovery": server.recovery,
-            "weights_source": server.weights_source,
+            "weights_source": server.weights_source, "hashed_files": server.hashed_files,
             "engine_log": str(server.engine_log), "restore_log": str(server.restore_log), "detached": detach,
         })
     else:
