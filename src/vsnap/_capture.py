@@ -234,14 +234,17 @@ def capture_image(spec: ModelSpec, *, image_dir: Path | None = None, force: bool
             (staging / CRIU_DIR).mkdir()
             (staging / "logs").mkdir()
             cuda_pids: list[int] = []
+            gpu_bytes: dict[int, int] = {}
             if spec.engine == "vllm":
-                from ._cuda import CudaCheckpoint
+                from ._cuda import CudaCheckpoint, gpu_memory_by_pid
 
+                gpu_bytes = gpu_memory_by_pid()  # what each process's CUDA checkpoint will move
                 with timings.phase("cuda checkpoint"):
                     cuda = CudaCheckpoint()
                     cuda_pids = cuda.cuda_pids(pids)
                     cuda.checkpoint(cuda_pids)
-            processes = [process_memory(pid) for pid in pids]  # after the CUDA checkpoint: what CRIU writes
+            processes = [{**process_memory(pid), **({"gpu_bytes": gpu_bytes[pid]} if pid in gpu_bytes else {})}
+                         for pid in pids]  # after the CUDA checkpoint: what CRIU writes
             with timings.phase("criu dump"):
                 require_space(staging, processes)
                 try:

@@ -190,6 +190,23 @@ def gpu_free_memory() -> dict[str, int]:
     return free
 
 
+def gpu_memory_by_pid() -> dict[int, int]:
+    """GPU memory each process uses (host PIDs), from nvidia-smi (empty if it is not there)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    used: dict[int, int] = {}
+    for line in out.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 2 and parts[0].isdigit() and parts[1].isdigit():
+            used[int(parts[0])] = used.get(int(parts[0]), 0) + (int(parts[1]) << 20)
+    return used
+
+
 def _format_uuid(uuid: Any) -> str:
     """GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx, as nvidia-smi prints it."""
     raw = getattr(uuid, "bytes", b"")

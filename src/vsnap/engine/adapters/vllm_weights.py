@@ -220,4 +220,7 @@ class WeightsFileExtension:
         torch.cuda.empty_cache()
         release_heap()
         free, total = torch.cuda.mem_get_info()
-        return {"gpu_used_bytes": float(total - free), "torch_reserved_bytes": float(torch.cuda.memory_reserved())}
+        stats = torch.cuda.memory_stats()
+        return {"gpu_used_bytes": float(total - free),  # the whole GPU: every process
+                "torch_allocated_bytes": float(stats.get("allocated_bytes.all.current", 0)),
+                "torch_reserved_bytes": float(stats.get("reserved_bytes.all.current", 0))}
