@@ -1,7 +1,7 @@
 """Which image files this host has already hashed, so a restore does not hash them again.
 
 A restore must know every image file is the one the manifest names before CRIU runs. Hashing
-takes about 0.1 s per GB on 16 cores; an 8B image with its weights file is ~19 GB. So a file is
+takes about 0.1 s per GB on 16 cores; an 8B image with its weights file is ~20 GB. So a file is
 hashed in full once (at capture, by the first restore, or by ``vsnap validate``), and its identity
 is remembered as (device, inode, size, mtime, ctime): any write or chmod changes ctime, which
 no one but the kernel sets (short of changing the system clock, which needs root). A file is

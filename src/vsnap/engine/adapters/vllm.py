@@ -14,8 +14,8 @@ import asyncio
 import shutil
 import socket
 import time
-from pathlib import Path
 import uuid
+from pathlib import Path
 from typing import Any
 
 from ..._control import Activation
@@ -145,8 +145,13 @@ class VllmAdapter(EngineAdapter):
         oracle = await self.run_oracle()
         weights_dir = self.launch.weights_dir
         if weights_dir and self.args.worker_extension_cls == vllm_weights.EXTENSION:
-            await self._rpc("vsnap_save_weights", weights_dir)
-            self.weights_source = "file"
+            try:
+                await self._rpc("vsnap_save_weights", weights_dir)
+                self.weights_source = "file"
+            except Exception as exc:  # e.g. a parameter that is not one contiguous tensor
+                print(f"vsnap: could not write the weights file ({type(exc).__name__}: {exc}); "
+                      "restores will reload from the model's files", flush=True)
+                shutil.rmtree(weights_dir, ignore_errors=True)
         # Rehearse the exact recovery path once before the capture: a restore must not be the
         # first time sleep level 2, weight reload and wake run in this process.
         try:
@@ -197,7 +202,8 @@ class VllmAdapter(EngineAdapter):
 
         host, port = sock.getsockname()[:2]
         self.args.host, self.args.port = host, port
-        asyncio.get_running_loop().create_task(self._report_started(time.monotonic()))
+        if self.app is not None:
+            asyncio.get_running_loop().create_task(self._report_started(time.monotonic()))
         if self.app is None:
             shutdown = await build_and_serve(self.engine, f"http://{host}:{port}", sock, self.args)
         else:  # the same settings build_and_serve gives uvicorn
@@ -216,7 +222,7 @@ class VllmAdapter(EngineAdapter):
         server = None
         while server is None or not server.started:
             await asyncio.sleep(0.002)
-            server = getattr(getattr(self.app, "state", None), "server", None) if self.app is not None else None
+            server = getattr(self.app.state, "server", None)
             if time.monotonic() - since > 60:
                 return
         print(f"vsnap: uvicorn started {time.monotonic() - since:.3f} s after the socket arrived", flush=True)
