@@ -56,3 +56,80 @@ def test_choose_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
         _restore.choose_gpu(manifest, None)
     free["GPU-a"] = 60
     assert _restore.choose_gpu(manifest, None)["uuid"] == "GPU-a"  # the captured one first
+
+
+class FakeDriver:
+    """The driver's checkpoint calls over an in-memory state per pid; restore waits until every
+    process is being restored at once (or times out), which only the parallel path achieves."""
+
+    class CUresult:
+        CUDA_SUCCESS = 0
+        CUDA_ERROR_INVALID_VALUE = 1
+
+    def __init__(self, pids: list[int], fail: int | None = None) -> None:
+        import threading
+
+        self.states = {pid: "RUNNING" for pid in pids}
+        self.fail = fail
+        self.all_restoring = threading.Barrier(len(pids), timeout=5)
+        self.calls: list[tuple[str, int]] = []
+
+    def _state(self, name: str):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(name=f"CU_PROCESS_STATE_{name}")
+
+    def cuCheckpointProcessGetState(self, pid: int):
+        if pid not in self.states:
+            return (self.CUresult.CUDA_ERROR_INVALID_VALUE, None)
+        return (self.CUresult.CUDA_SUCCESS, self._state(self.states[pid]))
+
+    def _move(self, name: str, pid: int, want: str, to: str) -> tuple[int]:
+        self.calls.append((name, pid))
+        if self.states[pid] != want:
+            return (self.CUresult.CUDA_ERROR_INVALID_VALUE,)
+        self.states[pid] = to
+        return (self.CUresult.CUDA_SUCCESS,)
+
+    def cuCheckpointProcessLock(self, pid: int, args) -> tuple[int]:
+        return self._move("lock", pid, "RUNNING", "LOCKED")
+
+    def cuCheckpointProcessCheckpoint(self, pid: int, args) -> tuple[int]:
+        return self._move("checkpoint", pid, "LOCKED", "CHECKPOINTED")
+
+    def cuCheckpointProcessRestore(self, pid: int, args) -> tuple[int]:
+        self.all_restoring.wait()
+        if pid == self.fail:
+            return (self.CUresult.CUDA_ERROR_INVALID_VALUE,)
+        return self._move("restore", pid, "CHECKPOINTED", "LOCKED")
+
+    def cuCheckpointProcessUnlock(self, pid: int, args) -> tuple[int]:
+        return self._move("unlock", pid, "LOCKED", "RUNNING")
+
+    def CUcheckpointLockArgs(self):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(timeoutMs=0)
+
+
+def test_checkpoint_then_restore_every_process_side_by_side() -> None:
+    from vsnap._cuda import CudaCheckpoint
+
+    driver = FakeDriver([11, 12, 13])
+    cuda = CudaCheckpoint(driver=driver)
+    assert cuda.cuda_pids([10, 11, 12, 13]) == [11, 12, 13]  # 10 has no CUDA context
+    cuda.checkpoint([11, 12, 13])
+    assert {cuda.state(pid) for pid in (11, 12, 13)} == {"checkpointed"}
+    cuda.restore([11, 12, 13])  # the fake's barrier needs all three restores at the same time
+    assert {cuda.state(pid) for pid in (11, 12, 13)} == {"running"}
+    assert [c for c in driver.calls if c[0] == "unlock"] == [("unlock", 11), ("unlock", 12), ("unlock", 13)]
+
+
+def test_a_failed_restore_names_the_process() -> None:
+    from vsnap._cuda import CudaCheckpoint, CudaCheckpointError
+
+    driver = FakeDriver([21, 22], fail=22)
+    cuda = CudaCheckpoint(driver=driver)
+    cuda.checkpoint([21, 22])
+    with pytest.raises(CudaCheckpointError, match="cuCheckpointProcessRestore failed for pid 22"):
+        cuda.restore([21, 22])
