@@ -97,7 +97,7 @@ class CpuAdapter(EngineAdapter):
     async def recover(self, activation: Activation) -> dict[str, Any]:
         start = time.monotonic()
         loaded = await self.call("load_weights")
-        return {"reload_weights_s": time.monotonic() - start, "weight_bytes": loaded}
+        return {"reload_weights_s": time.monotonic() - start, "weight_bytes": loaded, "weights_source": "model files"}
 
     async def serve(self, sock: socket.socket) -> None:
         import uvicorn
