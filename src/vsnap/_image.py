@@ -159,12 +159,13 @@ def publish(staging: Path, image_dir: Path) -> None:
         os.close(fd)
 
 
-def verify_files(image_dir: Path, manifest: Manifest, *, cache_root: Path | None = None) -> list[str]:
+def verify_files(image_dir: Path, manifest: Manifest, *, cache_root: Path | None = None,
+                 rehash: bool = False) -> list[str]:
     """Every file the manifest lists is a regular file of the recorded size and sha256; no others exist.
 
     With ``cache_root``, files this host already hashed and that did not change since (see
-    _verified) are not hashed again, and the ones hashed now are remembered there. Returns the
-    files that were hashed.
+    _verified) are not hashed again unless ``rehash``, and the ones hashed now are remembered
+    there. Returns the files that were hashed.
     """
     listed = set(manifest.files)
     for path in sorted(image_dir.rglob("*")):
@@ -173,7 +174,7 @@ def verify_files(image_dir: Path, manifest: Manifest, *, cache_root: Path | None
             raise ImageTampered(rel, "a regular file", "a symlink")
         if path.is_file() and rel != MANIFEST and rel not in listed:
             raise ImageTampered(rel, "no such file", "an unlisted file")
-    known = verified.load(image_dir, cache_root) if cache_root is not None else {}
+    known = verified.load(image_dir, cache_root) if cache_root is not None and not rehash else {}
     to_hash: dict[str, int] = {}
     stats: dict[str, os.stat_result] = {}
     for rel, entry in manifest.files.items():

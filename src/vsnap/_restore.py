@@ -144,7 +144,7 @@ def verify_image(image_dir: Path, *, rehash: bool = False) -> Manifest:
     _verified) unless ``rehash``.
     """
     manifest = read_manifest(image_dir)
-    verify_files(image_dir, manifest, cache_root=None if rehash else VERIFIED_DIR)
+    verify_files(image_dir, manifest, cache_root=VERIFIED_DIR, rehash=rehash)
     require_host_matches(manifest)
     return manifest
 
@@ -178,7 +178,7 @@ def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000,
         # Independent checks side by side (the GPU ones start the CUDA driver, which the CUDA
         # restore needs anyway); the first failure in this order is the one reported.
         with ThreadPoolExecutor(max_workers=5) as pool:
-            hashing = pool.submit(verify_files, image_dir, manifest, cache_root=None if rehash else VERIFIED_DIR)
+            hashing = pool.submit(verify_files, image_dir, manifest, cache_root=VERIFIED_DIR, rehash=rehash)
             checks = [pool.submit(check_criu), hashing,
                       pool.submit(require_host_matches, manifest),
                       pool.submit(check_port_free, host, port)]

@@ -8,6 +8,7 @@ from pathlib import Path
 from ._errors import ImageHostMismatch, VsnapError
 from ._host import Check, host_mismatches, preflight, run_check
 from ._image import check_parent, verify_files
+from ._verified import VERIFIED_DIR
 from ._manifest import MANIFEST, read_manifest
 from ._spec import load_spec
 
@@ -61,8 +62,10 @@ def _validate_image(image_dir: Path) -> ValidationReport:
         return report
     report.checks.append(Check("manifest", True, f"{manifest.name}: engine {manifest.engine}, "
                                                  f"captured {manifest.created_at} on {manifest.host.hostname}"))
-    report.checks.append(run_check("image files", lambda: (verify_files(image_dir, manifest),
-                                                        f"{len(manifest.files)} files match their sha256")[1]))
+    # every file hashed; the result is remembered, so a restore right after need not hash again
+    report.checks.append(run_check("image files", lambda: (
+        verify_files(image_dir, manifest, cache_root=VERIFIED_DIR, rehash=True),
+        f"{len(manifest.files)} files match their sha256")[1]))
 
     def host_fit() -> str:
         mismatches = host_mismatches(manifest, hash_files=True)

@@ -15,6 +15,7 @@ import pytest
 from tests.conftest import VSNAP, engine_processes
 from tests.integration.conftest import CapturedImage, run_vsnap, write_spec
 from vsnap import EngineError, capture_image, load_spec, restore_image, stop_server
+from vsnap import _verified as verified
 from vsnap._oracle import Oracle
 
 pytestmark = pytest.mark.criu
@@ -282,8 +283,8 @@ def test_changed_host_files_are_named_and_changed_weights_fail_the_oracle(tmp_pa
 
 
 def test_restore_hashes_only_files_not_verified_before(captured: CapturedImage) -> None:
-    """Capture seeds the verification record: a restore then hashes nothing, unless --rehash
-    (tests/unit/test_verified.py covers files changed in place)."""
+    """Capture (and validate) seed the verification record: a restore then hashes nothing, unless
+    --rehash (tests/unit/test_verified.py covers files changed in place)."""
     first = restore_image(captured.image, port=0)
     stop_server(first)
     again = restore_image(captured.image, port=0)
@@ -294,3 +295,8 @@ def test_restore_hashes_only_files_not_verified_before(captured: CapturedImage) 
     doc = json.loads(result.stdout)
     assert doc["hashed_files"] == len(captured.manifest.files) > 0
     assert run_vsnap("stop", doc["instance"], "--json").returncode == 0
+    verified.forget(captured.image)  # as on a host that never saw the image: validate seeds the record
+    assert run_vsnap("validate", str(captured.image), "--json").returncode == 0
+    after_validate = restore_image(captured.image, port=0)
+    stop_server(after_validate)
+    assert after_validate.hashed_files == 0

@@ -57,3 +57,11 @@ def test_a_record_others_could_write_is_ignored(tmp_path: Path) -> None:
     verify_files(image, manifest, cache_root=cache)
     os.chmod(cache, 0o777)
     assert len(verify_files(image, manifest, cache_root=cache)) == 2
+
+
+def test_rehash_hashes_everything_and_records_it(tmp_path: Path) -> None:
+    image, manifest = _image(tmp_path)
+    cache = tmp_path / "verified"
+    verify_files(image, manifest, cache_root=cache)
+    assert len(verify_files(image, manifest, cache_root=cache, rehash=True)) == 2
+    assert verify_files(image, manifest, cache_root=cache) == []
