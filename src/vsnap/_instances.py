@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
+import stat
 import time
 from pathlib import Path
 
@@ -38,12 +40,34 @@ class InstanceRecord(BaseModel):
     started_at: float
 
 
+# A failed capture or restore keeps its directory (the logs its error names) this long.
+KEEP_FAILED_S = 3 * 24 * 3600
+
+
 def new_instance_dir(control_dir: Path, prefix: str) -> tuple[str, Path]:
-    """A fresh private host directory to bind at ``control_dir`` inside one tree."""
+    """A fresh private host directory to bind at ``control_dir`` inside one tree (old directories
+    of failed runs beside it are removed on the way)."""
     instance_id = f"{prefix}-{secrets.token_hex(4)}"
     root = Path(f"{control_dir}.instances")
     control.ensure_private_dir(root)
+    prune_failed(root)
     return instance_id, control.ensure_private_dir(root / instance_id)
+
+
+def prune_failed(root: Path, keep_s: float = KEEP_FAILED_S) -> list[str]:
+    """Remove instance directories untouched for ``keep_s`` that no running instance uses."""
+    in_use = {Path(r.instance_dir).name for r in running_instances()}
+    removed = []
+    for entry in root.iterdir():
+        try:
+            st = entry.lstat()
+        except OSError:
+            continue
+        if entry.name in in_use or not stat.S_ISDIR(st.st_mode) or time.time() - st.st_mtime < keep_s:
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        removed.append(entry.name)
+    return removed
 
 
 def registry_dir() -> Path:
