@@ -173,37 +173,30 @@ def _ctypes_restore(pid: int, gpu_pairs: list[tuple[str, str]]) -> int:
     return int(libcuda.cuCheckpointProcessRestore(ctypes.c_int(pid), ctypes.byref(args)))
 
 
-def gpu_free_memory() -> dict[str, int]:
-    """Free memory per GPU UUID, from nvidia-smi (empty if it is not there)."""
+def _nvidia_smi(query: str) -> list[list[str]]:
+    """Rows of ``nvidia-smi --query-QUERY`` as stripped CSV fields (none if nvidia-smi is not there)."""
     import subprocess
 
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=uuid,memory.free", "--format=csv,noheader,nounits"],
+        out = subprocess.run(["nvidia-smi", f"--query-{query}", "--format=csv,noheader,nounits"],
                              capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.TimeoutExpired):
-        return {}
-    free = {}
-    for line in out.splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) == 2 and parts[1].isdigit():
-            free[parts[0]] = int(parts[1]) << 20
-    return free
+        return []
+    return [[field.strip() for field in line.split(",")] for line in out.splitlines()]
+
+
+def gpu_free_memory() -> dict[str, int]:
+    """Free memory per GPU UUID, from nvidia-smi (empty if it is not there)."""
+    return {row[0]: int(row[1]) << 20 for row in _nvidia_smi("gpu=uuid,memory.free")
+            if len(row) == 2 and row[1].isdigit()}
 
 
 def gpu_memory_by_pid() -> dict[int, int]:
     """GPU memory each process uses (host PIDs), from nvidia-smi (empty if it is not there)."""
-    import subprocess
-
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return {}
     used: dict[int, int] = {}
-    for line in out.splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) == 2 and parts[0].isdigit() and parts[1].isdigit():
-            used[int(parts[0])] = used.get(int(parts[0]), 0) + (int(parts[1]) << 20)
+    for row in _nvidia_smi("compute-apps=pid,used_memory"):
+        if len(row) == 2 and row[0].isdigit() and row[1].isdigit():
+            used[int(row[0])] = used.get(int(row[0]), 0) + (int(row[1]) << 20)
     return used
 
 

@@ -133,3 +133,16 @@ def test_a_failed_restore_names_the_process() -> None:
     cuda.checkpoint([21, 22])
     with pytest.raises(CudaCheckpointError, match="cuCheckpointProcessRestore failed for pid 22"):
         cuda.restore([21, 22])
+
+
+def test_nvidia_smi_rows_parsed(monkeypatch: pytest.MonkeyPatch) -> None:
+    import subprocess
+    from types import SimpleNamespace
+
+    from vsnap import _cuda
+
+    outputs = {"--query-gpu=uuid,memory.free": "GPU-a, 1024\nGPU-b, [N/A]\n",
+               "--query-compute-apps=pid,used_memory": "11, 512\n11, 256\n12, 100\nbad line\n"}
+    monkeypatch.setattr(subprocess, "run", lambda argv, **kw: SimpleNamespace(stdout=outputs[argv[1]]))
+    assert _cuda.gpu_free_memory() == {"GPU-a": 1024 << 20}
+    assert _cuda.gpu_memory_by_pid() == {11: 768 << 20, 12: 100 << 20}
