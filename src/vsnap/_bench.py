@@ -209,6 +209,13 @@ def write_record(record: dict[str, Any], out_dir: Path, stem: str) -> Path:
              f"(restored from: {', '.join(record.get('weights_source') or ['?'])}).", "",
              "Restore phases (medians):", "", "| phase | seconds |", "|---|---|"]
     lines += [f"| {k} | {v:.3f} |" for k, v in record["phases"].items()]
+    if record.get("processes"):
+        lines += ["", "What fills the image (each process of the tree at the dump):", "",
+                  "| process | anonymous memory | GPU memory before the CUDA checkpoint |", "|---|---|---|"]
+        lines += [f"| `{proc['command'][:50]}` | {proc['anonymous_bytes'] / 1e6:.0f} MB | "
+                  f"{proc['gpu_bytes'] / 1e6:.0f} MB |" if "gpu_bytes" in proc else
+                  f"| `{proc['command'][:50]}` | {proc['anonymous_bytes'] / 1e6:.0f} MB | - |"
+                  for proc in record["processes"]]
     png = out_dir / f"{stem}.png"
     if plot(record, png):
         lines += ["", f"![restore vs cold start]({png.name})"]

@@ -27,7 +27,9 @@ def test_bench_writes_its_record(tmp_path: Path) -> None:
     assert {"verify image", "criu restore", "recover", "serve"} <= set(record["phases"])
     stem = out / f"bench-bench-{record['date']}"
     assert json.loads(stem.with_suffix(".json").read_text())["capture_s"] == record["capture_s"]
-    assert "restore to first token" in stem.with_suffix(".md").read_text()
+    markdown = stem.with_suffix(".md").read_text()
+    assert "restore to first token" in markdown and "What fills the image" in markdown
+    assert record["weights_source"] == ["model files"] and len(record["processes"]) == 3
     assert stem.with_suffix(".png").stat().st_size > 0
     assert engine_processes(tmp_path / "control" / "bench") == []
     assert engine_processes(Path(f"{tmp_path}/control/bench-bench")) == []

@@ -145,6 +145,12 @@ def test_validate_and_inspect(captured: CapturedImage) -> None:
     assert doc["ok"] and {c["name"] for c in doc["checks"]} >= {"manifest", "image files", "host match", "criu"}
     result = run_vsnap("inspect", str(captured.image), "--json")
     assert json.loads(result.stdout)["manifest"]["oracle"] == captured.manifest.oracle.model_dump(mode="json")
+    # what fills the image, per process of the tree (root, resource tracker, worker)
+    processes = captured.manifest.processes
+    assert len(processes) == 3 and all(p["anonymous_bytes"] > 0 for p in processes)
+    assert sum(p["anonymous_bytes"] for p in processes) > captured.manifest.sizes["criu_bytes"] // 2
+    table = run_vsnap("inspect", str(captured.image))
+    assert table.returncode == 0 and "[heap]" in table.stdout and f"process {processes[0]['pid']}" in table.stdout
     spec_check = run_vsnap("validate", str(captured.spec))
     assert spec_check.returncode == 0 and "criu" in spec_check.stdout
 

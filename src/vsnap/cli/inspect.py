@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
-from .._manifest import read_manifest
+from .._manifest import WEIGHTS_DIR, read_manifest
 from . import _render
 from . import app, error_boundary
 
@@ -37,6 +38,18 @@ def inspect(
         ("depends on", f"{len(manifest.dependencies)} host files"),
         ("capture", ", ".join(f"{k} {v:.2f}s" for k, v in manifest.timings.items())),
     ]
+    weights = sum(e.size for rel, e in manifest.files.items() if rel.startswith(WEIGHTS_DIR + "/"))
+    if weights:
+        rows.insert(7, ("weights file", f"{weights / 1e6:.1f} MB (streamed back at restore)"))
+    rows += [(f"process {p['pid']}", process_line(p)) for p in manifest.processes]
     for key, value in rows:
-        table.add_row(key, value)
+        table.add_row(key, escape(value))  # values hold "[heap]" and paths, not rich markup
     _render.stdout.print(table)
+
+
+def process_line(process: dict) -> str:
+    """One process of the tree at the dump: what it adds to the image (and moved off the GPU)."""
+    gpu = f", {process['gpu_bytes'] / 1e6:.0f} MB on the GPU before the checkpoint" if "gpu_bytes" in process else ""
+    largest = ", ".join(f"{m['name']} {m['bytes'] / 1e6:.0f} MB" for m in process.get("largest_mappings", [])[:3])
+    return (f"{process.get('command', '?')[:60]}: {process.get('anonymous_bytes', 0) / 1e6:.0f} MB anonymous{gpu}"
+            + (f" (largest: {largest})" if largest else ""))
