@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `vsnap bench` on the GPU machine: SHAPE=tiny|8b, RUNS=3, COLD_RUNS=0 (0: RUNS-1). The record goes to $OUT/bench/.
+# `vsnap bench` on the GPU machine: SHAPE=tiny|8b, RUNS=3, COLD_RUNS=0 (0: RUNS-1), LAZY=1 (--lazy-pages). The record goes to $OUT/bench/.
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
@@ -25,7 +25,7 @@ snapshot:
 oracle:
   tolerance: 0.001
 YAML
-"$PY" -m vsnap bench "$SPEC" --runs "${RUNS:-3}" --cold-runs "${COLD_RUNS:-0}" --out "$OUT/bench" 2>&1 | tail -40
+"$PY" -m vsnap bench "$SPEC" --runs "${RUNS:-3}" --cold-runs "${COLD_RUNS:-0}" ${LAZY:+--lazy-pages} --out "$OUT/bench" 2>&1 | tail -40
 rc=${PIPESTATUS[0]}
 # One more restore through the CLI, kept up long enough to read the engine's own timings.
 IMAGE=$WORK/images/bench-$SHAPE

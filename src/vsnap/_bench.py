@@ -120,8 +120,8 @@ def _median_phases(runs: list[dict[str, float]]) -> dict[str, float]:
     return {k: statistics.median(r[k] for r in runs) for k in keys}
 
 
-def run_bench(spec: ModelSpec, *, runs: int = 3, cold_runs: int | None = None, out_dir: Path | None = None,
-              on_event: ProgressCallback | None = None) -> dict[str, Any]:
+def run_bench(spec: ModelSpec, *, runs: int = 3, cold_runs: int | None = None, lazy_pages: bool = False,
+              out_dir: Path | None = None, on_event: ProgressCallback | None = None) -> dict[str, Any]:
     timings = Timings(on_event)
     with timings.phase("preflight"):
         require_host(spec.engine)
@@ -142,7 +142,7 @@ def run_bench(spec: ModelSpec, *, runs: int = 3, cold_runs: int | None = None, o
     for n in range(runs):
         with timings.phase(f"restore to first token #{n + 1}"):
             start = time.monotonic()
-            server = restore_image(captured.image_dir, port=0)
+            server = restore_image(captured.image_dir, port=0, lazy_pages=lazy_pages)
             first_token(server.url, spec.served_model_name)
             restores.append(time.monotonic() - start)
         phases.append({**server.timings, **{f"engine {k}": v for k, v in server.recovery.items() if k.endswith("_s")}})
@@ -164,7 +164,9 @@ def run_bench(spec: ModelSpec, *, runs: int = 3, cold_runs: int | None = None, o
     restore_median = statistics.median(restores)
     record: dict[str, Any] = {
         "date": dt.date.today().isoformat(),
-        "command": f"vsnap bench SPEC --runs {runs}" + (f" --cold-runs {cold_runs}" if cold_runs else ""),
+        "command": f"vsnap bench SPEC --runs {runs}" + (f" --cold-runs {cold_runs}" if cold_runs else "")
+                   + (" --lazy-pages" if lazy_pages else ""),
+        "lazy_pages": lazy_pages,
         "model": f"{spec.name} ({model_dir})",
         "gpu": facts.gpus[0]["name"] if facts.gpus else None,
         "versions": {"driver": facts.driver, "cuda": facts.cuda, "kernel": facts.kernel, "criu": facts.criu,
@@ -188,7 +190,7 @@ def run_bench(spec: ModelSpec, *, runs: int = 3, cold_runs: int | None = None, o
         "floor_inputs": {"image_read_bytes_per_s": disk_bw, "h2d_bytes_per_s": h2d_bw},
     }
     if out_dir is not None:
-        write_record(record, out_dir, f"bench-{spec.name}-{record['date']}")
+        write_record(record, out_dir, f"bench-{spec.name}-{record['date']}" + ("-lazy-pages" if lazy_pages else ""))
     return record
 
 

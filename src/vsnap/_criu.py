@@ -10,10 +10,11 @@ import os
 import re
 import shutil
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ._criu_options import DumpOptions, RestoreOptions
+from ._criu_options import DumpOptions, LazyPagesOptions, RestoreOptions
 from ._errors import CriuError, HostNotReady
 
 MIN_VERSION = (4, 2)
@@ -126,6 +127,15 @@ class CriuRunner:
     def dump(self, options: DumpOptions, timeout_s: float = 600) -> None:
         self._run("dump", options.to_argv(), options.log_file, timeout_s)
 
+    def start_lazy_pages(self, options: LazyPagesOptions) -> "LazyPagesServer":
+        return LazyPagesServer(self, options)
+
+    def check_feature(self, feature: str) -> bool:
+        """`criu check --feature NAME` (e.g. uffd-noncoop for lazy pages)."""
+        out = subprocess.run([str(self.binary), "check", "--feature", feature], capture_output=True, text=True,
+                             timeout=60)
+        return out.returncode == 0
+
     def restore(self, options: RestoreOptions, timeout_s: float = 600) -> int:
         """Restore detached; return the host PID of the restored root."""
         try:
@@ -137,3 +147,39 @@ class CriuRunner:
             return int(options.pidfile.read_text().strip())
         except (OSError, ValueError):
             raise CriuError("restore", 0, options.log_file, f"no pid in {options.pidfile}") from None
+
+
+class LazyPagesServer:
+    """A running `criu lazy-pages`. It exits by itself once every page reached the restored tree;
+    until then the tree depends on it (a page it never sends blocks its process), so it runs in
+    its own session (a closed terminal does not take it down) and is only ever killed with the tree."""
+
+    def __init__(self, runner: CriuRunner, options: LazyPagesOptions, start_timeout_s: float = 10) -> None:
+        self.options = options
+        options.log_file.parent.mkdir(parents=True, exist_ok=True)
+        argv = [str(runner.binary), *options.to_argv()]
+        Path(f"{options.log_file}.argv").write_text(" ".join(argv) + "\n")
+        self.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + start_timeout_s
+        while not options.socket.exists():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                excerpt = excerpt_errors(options.log_file) or "it did not open its socket"
+                raise CriuError("lazy-pages", self.process.returncode or -1, options.log_file, excerpt,
+                                hint="`criu check --feature uffd-noncoop` says whether this kernel can; "
+                                     "restore without --lazy-pages")
+            time.sleep(0.002)
+
+    def wait(self, timeout_s: float) -> bool:
+        """True once it exited (every page delivered); False if still running after ``timeout_s``."""
+        try:
+            self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()

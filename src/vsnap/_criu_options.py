@@ -66,6 +66,8 @@ class RestoreOptions:
     pidfile: Path
     externals: dict[str, str] = field(default_factory=dict)  # key -> mount point
     inherit_fds: dict[int, str] = field(default_factory=dict)  # fd of this process -> external key
+    # memory pages come from a `criu lazy-pages` server (LazyPagesOptions, same work dir) on first touch
+    lazy_pages: bool = False
 
     def to_argv(self) -> list[str]:
         argv = [
@@ -73,8 +75,28 @@ class RestoreOptions:
             "--restore-detached", "--pidfile", str(self.pidfile),
             "--file-locks", "--tcp-established", "--root", "/",
         ]
+        if self.lazy_pages:
+            argv.append("--lazy-pages")
         for key, mountpoint in self.externals.items():
             argv += ["--external", f"mnt[{key}]:{mountpoint}"]
         for fd, key in self.inherit_fds.items():
             argv += ["--inherit-fd", f"fd[{fd}]:{key}"]
         return argv
+
+
+@dataclass(frozen=True)
+class LazyPagesOptions:
+    """`criu lazy-pages`: serves a lazy restore's page faults from the image, then pushes the rest.
+    It listens on lazy-pages.socket in ``work_dir``, where the restore (same work dir) finds it."""
+
+    images_dir: Path
+    work_dir: Path
+    log_file: Path
+
+    @property
+    def socket(self) -> Path:
+        return self.work_dir / "lazy-pages.socket"
+
+    def to_argv(self) -> list[str]:
+        return ["lazy-pages", "--images-dir", str(self.images_dir), "--work-dir", str(self.work_dir),
+                "--log-file", str(self.log_file), "-v4"]

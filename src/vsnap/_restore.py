@@ -19,8 +19,8 @@ from pathlib import Path
 
 from . import _control as control
 from ._control import Activation, ErrorReport, Status
-from ._criu import CriuRunner
-from ._criu_options import RestoreOptions
+from ._criu import CriuRunner, LazyPagesServer
+from ._criu_options import LazyPagesOptions, RestoreOptions
 from ._errors import EngineError, HostNotReady, OracleMismatch, ProcessTreeError
 from ._events import ProgressCallback, Timings
 from ._host import check_criu, check_root, require_host_matches
@@ -33,6 +33,7 @@ from ._proctree import alive, become_subreaper, kill_tree, reap, tree_pids
 from ._shm import instance_shm_dir, put_back, remove_instance_shm
 
 RESTORE_LOG = "restore.log"
+LAZY_PAGES_LOG = "lazy-pages.log"
 RESTORE_PID = "restore.pid"
 RECOVER_TIMEOUT_S = 600.0
 
@@ -51,6 +52,7 @@ class RestoredServer:
     weights_source: str | None = None  # vllm: "image weights file" or "model files"
     hashed_files: int = 0  # image files hashed by this restore (the others were verified before, unchanged)
     heartbeat: control.OwnerHeartbeat | None = None
+    lazy_pages: LazyPagesServer | None = None  # still sending the tree's memory, when restored lazily
 
     @property
     def url(self) -> str:
@@ -162,13 +164,22 @@ def read_ahead(directory: Path) -> None:
             os.close(fd)
 
 
+def check_lazy_pages(runner: CriuRunner) -> None:
+    if not runner.check_feature("uffd-noncoop"):
+        raise HostNotReady("criu", "this kernel cannot serve lazy pages (`criu check --feature uffd-noncoop` fails)",
+                           hint="restore without --lazy-pages")
+
+
 def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000, gpu: str | None = None,
-                  rehash: bool = False, on_event: ProgressCallback | None = None) -> RestoredServer:
+                  rehash: bool = False, lazy_pages: bool = False,
+                  on_event: ProgressCallback | None = None) -> RestoredServer:
     """Restore a new instance of the image's tree, activate it on host:port and return once it serves.
 
     Each call gets its own instance directory, PID namespace and (for vLLM) GPU: ``gpu`` is an
     index or UUID; by default the captured GPU if present, else the first of the same model with
     enough free memory. ``rehash``: hash every image file even if this host verified it before.
+    ``lazy_pages``: CRIU maps the tree's memory and a `criu lazy-pages` server fills it on first
+    touch (then pushes the rest), so CRIU returns sooner.
     """
     image_dir = Path(image_dir).absolute()
     timings = Timings(on_event)
@@ -182,6 +193,8 @@ def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000,
             checks = [pool.submit(check_criu), hashing,
                       pool.submit(require_host_matches, manifest),
                       pool.submit(check_port_free, host, port)]
+            if lazy_pages:
+                checks.append(pool.submit(check_lazy_pages, CriuRunner.locate()))
             choosing = pool.submit(choose_gpu, manifest, gpu) if manifest.cuda_processes else None
             for check in checks:
                 check.result()
@@ -206,12 +219,18 @@ def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000,
     heartbeat = control.OwnerHeartbeat(work, while_alive=lambda: not restored_pid or alive(restored_pid[0]))
     heartbeat.start()
     netns: NetnsHolder | None = None
+    lazy: LazyPagesServer | None = None
     try:
         with timings.phase("criu restore"):
             netns = NetnsHolder()
-            pid = CriuRunner.locate().restore(RestoreOptions(
+            runner = CriuRunner.locate()
+            if lazy_pages:
+                lazy = runner.start_lazy_pages(LazyPagesOptions(
+                    images_dir=image_dir / CRIU_DIR, work_dir=work, log_file=work / LAZY_PAGES_LOG))
+            pid = runner.restore(RestoreOptions(
                 images_dir=image_dir / CRIU_DIR, work_dir=work, log_file=work / RESTORE_LOG,
-                pidfile=work / RESTORE_PID, externals=externals, inherit_fds={int(netns.fd or -1): manifest.netns_key}))
+                pidfile=work / RESTORE_PID, externals=externals, inherit_fds={int(netns.fd or -1): manifest.netns_key},
+                lazy_pages=lazy_pages))
             restored_pid.append(pid)
             netns.close()  # the restored tree keeps the namespace alive
         if manifest.cuda_processes:
@@ -244,11 +263,14 @@ def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000,
             netns.close()
         if pid is not None:
             kill_tree(pid)
+        if lazy is not None:
+            lazy.kill()
         remove_instance_shm(shm_dir)
         raise  # the instance directory stays, with the logs the error names
     register(InstanceRecord(id=instance_id, image=str(image_dir), name=manifest.name, pid=pid, url=server.url,
                             port=server.port, gpu=server.gpu, instance_dir=str(work), started_at=time.time()))
     server.heartbeat = heartbeat
+    server.lazy_pages = lazy
     server.timings = dict(timings.seconds)
     t = validated.times
     server.recovery = {k: v for k, v in validated.detail.items() if isinstance(v, (int, float))}
@@ -273,6 +295,8 @@ def stop_server(server: RestoredServer | InstanceRecord, grace_s: float = 10.0) 
         pid, instance_id, work = server.pid, server.id, Path(server.instance_dir)
     kill_tree(pid, grace_s=grace_s)
     reap(pid)
+    if isinstance(server, RestoredServer) and server.lazy_pages is not None:
+        server.lazy_pages.kill()  # it ends by itself once the tree is gone; never left behind
     unregister(instance_id)
     shutil.rmtree(work, ignore_errors=True)
     remove_instance_shm(instance_shm_dir(instance_id))

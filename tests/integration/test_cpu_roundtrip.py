@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 import urllib.request
 from pathlib import Path
 
@@ -306,3 +307,26 @@ def test_restore_hashes_only_files_not_verified_before(captured: CapturedImage) 
     after_validate = restore_image(captured.image, port=0)
     stop_server(after_validate)
     assert after_validate.hashed_files == 0
+
+
+def test_lazy_pages_restore_serves_the_oracle_and_leaves_no_server(captured: CapturedImage) -> None:
+    """CRIU returns before the tree's memory is read; `criu lazy-pages` fills it on first touch."""
+    server = restore_image(captured.image, port=0, lazy_pages=True)
+    try:
+        assert server.lazy_pages is not None
+        assert (server.instance_dir / "lazy-pages.log").stat().st_size > 0
+        assert_serves_oracle(server.url, captured.manifest.oracle, captured.manifest.launch.oracle_top_k)
+        assert server.lazy_pages.wait(60)  # every page delivered: it ended by itself
+    finally:
+        stop_server(server)
+    assert engine_processes(captured.control_dir) == []
+    result = run_vsnap("restore", str(captured.image), "--port", "0", "--lazy-pages", "--detach", "--json")
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["lazy_pages"] is True
+    assert_serves_oracle(doc["url"], captured.manifest.oracle, captured.manifest.launch.oracle_top_k)
+    assert run_vsnap("stop", doc["instance"], "--json").returncode == 0
+    deadline = time.monotonic() + 30
+    while subprocess.run(["pgrep", "-f", f"lazy-pages --images-dir {captured.image}"]).returncode == 0:
+        assert time.monotonic() < deadline, "criu lazy-pages outlived the restored tree"
+        time.sleep(0.1)

@@ -61,3 +61,30 @@ def test_error_excerpt_and_hint(tmp_path: Path) -> None:
     assert error.message == "criu restore failed: Can't fork for 7: File exists"
     assert "holds that PID" in error.hint
     assert error.exit_code == 5
+
+
+def test_lazy_restore_and_its_page_server_share_the_work_dir(tmp_path: Path) -> None:
+    from vsnap._criu_options import LazyPagesOptions, RestoreOptions
+
+    restore = RestoreOptions(images_dir=tmp_path / "criu", work_dir=tmp_path / "w", log_file=tmp_path / "w/r.log",
+                             pidfile=tmp_path / "w/pid", lazy_pages=True)
+    server = LazyPagesOptions(images_dir=tmp_path / "criu", work_dir=tmp_path / "w", log_file=tmp_path / "w/l.log")
+    assert "--lazy-pages" in restore.to_argv()
+    assert "--lazy-pages" not in RestoreOptions(tmp_path, tmp_path, tmp_path / "l", tmp_path / "p").to_argv()
+    assert server.to_argv()[:1] == ["lazy-pages"] and server.socket == tmp_path / "w" / "lazy-pages.socket"
+
+
+def test_a_page_server_that_dies_at_start_is_an_error_naming_its_log(tmp_path: Path) -> None:
+    import pytest
+
+    from vsnap._criu import CriuRunner, LazyPagesServer
+    from vsnap._criu_options import LazyPagesOptions
+    from vsnap._errors import CriuError
+
+    fake = tmp_path / "criu"
+    fake.write_text("#!/bin/sh\necho 'Error (criu/uffd.c:1): uffd: no userfaultfd here' > \"$7\"\nexit 1\n")
+    fake.chmod(0o755)
+    options = LazyPagesOptions(images_dir=tmp_path, work_dir=tmp_path, log_file=tmp_path / "lazy-pages.log")
+    with pytest.raises(CriuError, match="criu lazy-pages failed: .*no userfaultfd here") as failure:
+        LazyPagesServer(CriuRunner(fake), options)
+    assert "uffd-noncoop" in failure.value.hint and str(options.log_file) in str(failure.value.log_path)

@@ -22,11 +22,13 @@ def bench(
     cold_runs: int = typer.Option(0, "--cold-runs", min=0, max=20,
                                   help="cold starts with a warm compile cache (0: runs - 1, at least 1)"),
     out: Path = typer.Option(Path("docs/benchmarks"), "--out", help="where the record goes"),
+    lazy_pages: bool = typer.Option(False, "--lazy-pages", help="restore with CRIU lazy pages (vsnap restore --lazy-pages)"),
     as_json: bool = typer.Option(False, "--json", help="print the record as JSON"),
 ) -> None:
     progress = _render.PhaseProgress()
     try:
-        record = _bench.run_bench(load_spec(spec), runs=runs, cold_runs=cold_runs or None, out_dir=out, on_event=progress)
+        record = _bench.run_bench(load_spec(spec), runs=runs, cold_runs=cold_runs or None, lazy_pages=lazy_pages,
+                                  out_dir=out, on_event=progress)
     finally:
         progress.close()
     if as_json:

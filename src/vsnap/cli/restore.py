@@ -25,11 +25,13 @@ def restore(
     detach: bool = typer.Option(False, "--detach", help="leave the server running and print its pid"),
     rehash: bool = typer.Option(False, "--rehash", help="hash every image file, even those this host "
                                                         "verified before and that did not change since"),
+    lazy_pages: bool = typer.Option(False, "--lazy-pages", help="let CRIU return before the tree's memory is "
+                                                                "read: pages arrive on first touch (criu lazy-pages)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON document on stdout"),
 ) -> None:
     progress = _render.PhaseProgress()
     try:
-        server = _restore.restore_image(image, host=host, port=port, gpu=gpu, rehash=rehash,
+        server = _restore.restore_image(image, host=host, port=port, gpu=gpu, rehash=rehash, lazy_pages=lazy_pages,
                                          on_event=progress)
     finally:
         progress.close()
@@ -38,7 +40,7 @@ def restore(
             "pid": server.pid, "url": server.url, "host": server.host, "port": server.port,
             "instance": server.instance_id, "instance_dir": str(server.instance_dir), "gpu": server.gpu,
             "timings": server.timings, "total_s": sum(server.timings.values()), "recovery": server.recovery,
-            "weights_source": server.weights_source, "hashed_files": server.hashed_files,
+            "weights_source": server.weights_source, "hashed_files": server.hashed_files, "lazy_pages": lazy_pages,
             "engine_log": str(server.engine_log), "restore_log": str(server.restore_log), "detached": detach,
         })
     else:
