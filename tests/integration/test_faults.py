@@ -83,6 +83,18 @@ def test_restore_killed_leaves_nothing_and_reruns(captured: CapturedImage, phase
     assert engine_processes(captured.control_dir) == []
 
 
+def test_lazy_restore_killed_leaves_no_page_server(captured: CapturedImage) -> None:
+    """SIGKILL during recover while `criu lazy-pages` may still be sending pages: the tree stops
+    (its owner is silent), then the page server ends with it."""
+    result = run_with({"VSNAP_FAILPOINT": "recover"}, "restore", str(captured.image), "--port", "0", "--lazy-pages")
+    assert result.returncode == -signal.SIGKILL
+    wait_no_engine(captured.control_dir)
+    deadline = time.monotonic() + 30
+    while subprocess.run(["pgrep", "-f", f"lazy-pages --images-dir {captured.image}"]).returncode == 0:
+        assert time.monotonic() < deadline, "criu lazy-pages outlived the tree"
+        time.sleep(0.1)
+
+
 def test_foreground_restore_killed_while_serving_stops_the_server(captured: CapturedImage) -> None:
     process = subprocess.Popen([VSNAP, "restore", str(captured.image), "--port", "0", "--json"],
                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
