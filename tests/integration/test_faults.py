@@ -88,11 +88,13 @@ def test_lazy_restore_killed_leaves_no_page_server(captured: CapturedImage) -> N
     (its owner is silent), then the page server ends with it."""
     result = run_with({"VSNAP_FAILPOINT": "recover"}, "restore", str(captured.image), "--port", "0", "--lazy-pages")
     assert result.returncode == -signal.SIGKILL
-    wait_no_engine(captured.control_dir)
-    deadline = time.monotonic() + 30
+    # First the page server: until it has sent the tree's stack pages, /proc/PID/cmdline of the
+    # tree's processes reads empty, and engine_processes() would miss them.
+    deadline = time.monotonic() + OWNER_TIMEOUT_S + 30
     while subprocess.run(["pgrep", "-f", f"lazy-pages --images-dir {captured.image}"]).returncode == 0:
         assert time.monotonic() < deadline, "criu lazy-pages outlived the tree"
         time.sleep(0.1)
+    wait_no_engine(captured.control_dir)
 
 
 def test_foreground_restore_killed_while_serving_stops_the_server(captured: CapturedImage) -> None:
