@@ -146,7 +146,8 @@ class VllmAdapter(EngineAdapter):
         weights_dir = self.launch.weights_dir
         if weights_dir and self.args.worker_extension_cls == vllm_weights.EXTENSION:
             try:
-                await self._rpc("vsnap_save_weights", weights_dir)
+                saved = await self._rpc("vsnap_save_weights", weights_dir)
+                print(f"vsnap: weights file written: {saved}", flush=True)
                 self.weights_source = "file"
             except Exception as exc:  # e.g. a parameter that is not one contiguous tensor
                 print(f"vsnap: could not write the weights file ({type(exc).__name__}: {exc}); "
