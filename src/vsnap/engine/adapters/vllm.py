@@ -150,9 +150,7 @@ class VllmAdapter(EngineAdapter):
                 print(f"vsnap: weights file written: {saved}", flush=True)
                 self.weights_source = "file"
             except Exception as exc:  # e.g. a parameter that is not one contiguous tensor
-                print(f"vsnap: could not write the weights file ({type(exc).__name__}: {exc}); "
-                      "restores will reload from the model's files", flush=True)
-                shutil.rmtree(weights_dir, ignore_errors=True)
+                self._drop_weights_file(f"could not write the weights file ({type(exc).__name__}: {exc})")
         # Rehearse the exact recovery path once before the capture: a restore must not be the
         # first time sleep level 2, weight reload and wake run in this process.
         try:
@@ -161,10 +159,7 @@ class VllmAdapter(EngineAdapter):
             if self.weights_source != "file":
                 raise
             # Parameters alone do not hold all of this model's loaded state: reload through vLLM.
-            print(f"vsnap: the weights file did not reproduce the oracle ({mismatch}); "
-                  "restores will reload from the model's files", flush=True)
-            shutil.rmtree(weights_dir, ignore_errors=True)  # type: ignore[arg-type]
-            self.weights_source = "model"
+            self._drop_weights_file(f"the weights file did not reproduce the oracle ({mismatch})")
             await self._rehearse(oracle)
         await self._sleep()
         await self._prebuild_app()
@@ -178,6 +173,12 @@ class VllmAdapter(EngineAdapter):
             released = await self._rpc("vsnap_release_memory")
             print(f"vsnap: before the checkpoint: {released}", flush=True)
         return oracle
+
+    def _drop_weights_file(self, why: str) -> None:
+        """Capture without the weights file: restores reload through vLLM's loader."""
+        print(f"vsnap: {why}; restores will reload from the model's files", flush=True)
+        shutil.rmtree(self.launch.weights_dir, ignore_errors=True)  # type: ignore[arg-type]
+        self.weights_source = "model"
 
     async def _prebuild_app(self) -> None:
         """Build vLLM's FastAPI app and its serving state now, so the image holds it and a restore

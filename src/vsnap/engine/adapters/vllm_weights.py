@@ -116,10 +116,10 @@ def stream_into(path: Path, segments: list[Segment], targets: list[Any], *, thre
         chunks = (total + chunk - 1) // chunk
         counter = itertools.count()  # next() is atomic under the GIL: chunks handed out in order
         device = targets[0].device if targets else None
+        cuda = device is not None and device.type == "cuda"
         start = time.monotonic()
 
         def reader() -> None:
-            cuda = device is not None and device.type == "cuda"
             if cuda:
                 torch.cuda.set_device(device)
             stream = torch.cuda.Stream() if cuda else None
