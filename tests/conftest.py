@@ -13,7 +13,7 @@ VSNAP = str(Path(sys.executable).with_name("vsnap"))
 
 
 def criu_unavailable_reason() -> str | None:
-    from vsnap._errors import VsnapError
+    from vsnap.protocol.errors import VsnapError
     from vsnap._host import check_criu, check_root
 
     try:

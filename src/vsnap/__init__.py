@@ -1,30 +1,51 @@
 """vsnap: capture a booted LLM server once, restore it in about a second.
 
-The public API is what this module re-exports. It imports no torch, CUDA or rich: the engine
-tree imports vsnap too.
+The public API is what this module re-exports, loaded lazily (PEP 562): ``import vsnap`` or
+``import vsnap.protocol`` costs nothing else, so the engine tree, which imports only
+``vsnap.protocol`` and ``vsnap.engine``, never loads the orchestrator (capture, restore, CRIU,
+psutil, yaml) into its processes and so into every image.
 """
 
-from ._capture import CaptureResult, capture_image
-from ._errors import (
-    CheckpointError,
-    ControlProtocolError,
-    CriuError,
-    EngineError,
-    HostNotReady,
-    ImageError,
-    ImageHostMismatch,
-    ImageTampered,
-    OracleMismatch,
-    SpecError,
-    VsnapError,
-)
-from ._manifest import Manifest, read_manifest
-from ._restore import RestoredServer, restore_image, stop_server, verify_image
-from ._spec import ModelSpec, load_spec
+from __future__ import annotations
 
-__all__ = [
-    "CaptureResult", "capture_image", "RestoredServer", "restore_image", "stop_server", "verify_image",
-    "ModelSpec", "load_spec", "Manifest", "read_manifest",
-    "VsnapError", "SpecError", "HostNotReady", "ImageError", "ImageTampered", "ImageHostMismatch",
-    "CheckpointError", "CriuError", "EngineError", "OracleMismatch", "ControlProtocolError",
-]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.2.0"
+
+# public name -> the module that defines it
+_EXPORTS = {
+    "CaptureResult": "._capture", "capture_image": "._capture",
+    "RestoredServer": "._restore", "restore_image": "._restore", "stop_server": "._restore",
+    "verify_image": "._restore",
+    "ModelSpec": "._spec", "load_spec": "._spec",
+    "Manifest": "._manifest", "read_manifest": "._manifest",
+    **{name: ".protocol.errors" for name in (
+        "VsnapError", "SpecError", "HostNotReady", "ImageError", "ImageTampered", "ImageHostMismatch",
+        "CheckpointError", "CriuError", "EngineError", "OracleMismatch", "ControlProtocolError")},
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'vsnap' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)
+
+
+if TYPE_CHECKING:
+    from ._capture import CaptureResult, capture_image
+    from ._manifest import Manifest, read_manifest
+    from ._restore import RestoredServer, restore_image, stop_server, verify_image
+    from ._spec import ModelSpec, load_spec
+    from .protocol.errors import (CheckpointError, ControlProtocolError, CriuError, EngineError, HostNotReady,
+                                  ImageError, ImageHostMismatch, ImageTampered, OracleMismatch, SpecError,
+                                  VsnapError)

@@ -23,7 +23,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from . import _control as control
+from .protocol import control
 from ._capture import capture_image, launch_config, resolve_model, tree_environment
 from ._events import ProgressCallback, Timings
 from ._host import host_facts, require_host

@@ -15,12 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import _control as control
+from .protocol import control
 from . import _verified as verified
-from ._control import ErrorReport, LaunchConfig, Ready
+from .protocol.control import ErrorReport, LaunchConfig, Ready
 from ._criu import CriuRunner
 from ._criu_options import DumpOptions, external_mounts
-from ._errors import CheckpointError, CriuError, EngineError, HostNotReady, ImageError, ProcessTreeError
+from .protocol.errors import CheckpointError, CriuError, EngineError, HostNotReady, ImageError, ProcessTreeError
 from ._events import ProgressCallback, Timings
 from ._host import host_facts, require_host
 from ._image import HASH_THREADS, check_parent, checksum_tree, image_lock, make_staging, publish, remove_stale_staging, sha256_file

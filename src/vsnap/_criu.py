@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ._criu_options import DumpOptions, LazyPagesOptions, RestoreOptions
-from ._errors import CriuError, HostNotReady
+from .protocol.errors import CriuError, HostNotReady
 
 MIN_VERSION = (4, 2)
 INSTALL_HINT = "run scripts/criu/install.sh as root (builds CRIU 4.2.1), or set VSNAP_CRIU to a criu >= 4.2"

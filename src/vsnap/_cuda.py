@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._errors import CheckpointError, HostNotReady
+from .protocol.errors import CheckpointError, HostNotReady
 
 LOCK_TIMEOUT_MS = 10_000
 INSTALL_HINT = "install cuda-bindings (pip install 'vsnap[vllm]') and an NVIDIA driver >= 550 (checkpoint API)"

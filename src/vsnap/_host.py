@@ -14,7 +14,7 @@ from importlib import metadata
 from pathlib import Path
 
 from ._criu import CriuRunner
-from ._errors import HostNotReady, ImageHostMismatch, VsnapError
+from .protocol.errors import HostNotReady, ImageHostMismatch, VsnapError
 from ._manifest import Dependency, HostFacts, Manifest
 from ._proctree import find_unshare
 
@@ -27,7 +27,9 @@ def package_version(name: str) -> str | None:
 
 
 def vsnap_version() -> str:
-    return package_version("vsnap") or "0+unknown"
+    from . import __version__
+
+    return __version__
 
 
 @dataclass(frozen=True)

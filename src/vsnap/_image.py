@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Iterator
 
 from . import _verified as verified
-from ._errors import ImageError, ImageTampered
+from .protocol.errors import ImageError, ImageTampered
 from ._manifest import MANIFEST, FileEntry, Manifest
 
 RENAME_EXCHANGE = 2

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from . import _control as control
+from .protocol import control
 from ._proctree import alive
 
 RUNTIME_DIR = Path(os.environ.get("VSNAP_RUNTIME_DIR", "/run/vsnap"))

@@ -8,9 +8,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ._control import LaunchConfig
-from ._errors import ImageError, ImageFormatError
-from ._oracle import Oracle
+from .protocol.control import LaunchConfig
+from .protocol.errors import ImageError, ImageFormatError
+from .protocol.oracle import Oracle
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"

@@ -14,8 +14,8 @@ import ctypes
 import os
 import threading
 
-from ._errors import ProcessTreeError
-from ._loopback import loopback_up
+from .protocol.errors import ProcessTreeError
+from .protocol.loopback import loopback_up
 
 NETNS_KEY = "vsnap-net"
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import psutil
 
-from ._errors import HostNotReady, ProcessTreeError
+from .protocol.errors import HostNotReady, ProcessTreeError
 
 PR_SET_CHILD_SUBREAPER = 36
 

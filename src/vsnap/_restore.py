@@ -17,11 +17,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import _control as control
-from ._control import Activation, ErrorReport, Status
+from .protocol import control
+from .protocol.control import Activation, ErrorReport, Status
 from ._criu import CriuRunner, LazyPagesServer
 from ._criu_options import LazyPagesOptions, RestoreOptions
-from ._errors import EngineError, HostNotReady, OracleMismatch, ProcessTreeError
+from .protocol.errors import EngineError, HostNotReady, OracleMismatch, ProcessTreeError
 from ._events import ProgressCallback, Timings
 from ._host import check_criu, check_root, require_host_matches
 from ._image import verify_files

@@ -15,7 +15,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ._errors import SpecError, SpecIssue
+from .protocol.errors import SpecError, SpecIssue
 
 MAX_SPEC_BYTES = 1 << 20
 DEFAULT_IMAGE_ROOT = Path("/var/lib/vsnap/images")

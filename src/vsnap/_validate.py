@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ._errors import ImageHostMismatch, VsnapError
+from .protocol.errors import ImageHostMismatch, VsnapError
 from ._host import Check, host_mismatches, preflight, run_check
 from ._image import check_parent, verify_files
 from ._verified import VERIFIED_DIR

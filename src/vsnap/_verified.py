@@ -18,7 +18,7 @@ import os
 import stat
 from pathlib import Path
 
-from ._control import write_atomic
+from .protocol.control import write_atomic
 
 VERIFIED_DIR = Path("/run/vsnap/verified")
 

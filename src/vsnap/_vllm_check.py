@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from ._errors import HostNotReady, SpecError, SpecIssue
+from .protocol.errors import HostNotReady, SpecError, SpecIssue
 from ._spec import ModelSpec
 
 

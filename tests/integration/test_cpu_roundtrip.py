@@ -17,7 +17,7 @@ from tests.conftest import VSNAP, engine_processes
 from tests.integration.conftest import CapturedImage, run_vsnap, write_spec
 from vsnap import EngineError, capture_image, load_spec, restore_image, stop_server
 from vsnap import _verified as verified
-from vsnap._oracle import Oracle
+from vsnap.protocol.oracle import Oracle
 
 pytestmark = pytest.mark.criu
 

@@ -19,7 +19,7 @@ import pytest
 
 from tests.conftest import VSNAP, engine_processes
 from tests.integration.conftest import CapturedImage, run_vsnap, write_spec
-from vsnap._control import OWNER_TIMEOUT_S
+from vsnap.protocol.control import OWNER_TIMEOUT_S
 from vsnap._criu import find_criu
 
 pytestmark = pytest.mark.criu

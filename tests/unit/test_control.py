@@ -3,9 +3,9 @@ from pathlib import Path
 
 import pytest
 
-from vsnap import _control as control
-from vsnap._control import Activation, Status
-from vsnap._errors import ControlProtocolError, PhaseTimeout
+from vsnap.protocol import control as control
+from vsnap.protocol.control import Activation, Status
+from vsnap.protocol.errors import ControlProtocolError, PhaseTimeout
 
 
 @pytest.fixture

@@ -2,7 +2,7 @@ from pathlib import Path
 
 from vsnap._criu import excerpt_errors, hint_for, parse_version
 from vsnap._criu_options import DumpOptions, RestoreOptions, external_mounts
-from vsnap._errors import CriuError
+from vsnap.protocol.errors import CriuError
 
 MOUNTINFO = """\
 22 27 0:21 / /proc rw,relatime - proc proc rw
@@ -79,7 +79,7 @@ def test_a_page_server_that_dies_at_start_is_an_error_naming_its_log(tmp_path: P
 
     from vsnap._criu import CriuRunner, LazyPagesServer
     from vsnap._criu_options import LazyPagesOptions
-    from vsnap._errors import CriuError
+    from vsnap.protocol.errors import CriuError
 
     fake = tmp_path / "criu"
     fake.write_text("#!/bin/sh\necho 'Error (criu/uffd.c:1): uffd: no userfaultfd here' > \"$7\"\nexit 1\n")

@@ -34,7 +34,7 @@ def _manifest_with_gpu(need: int):
 
 def test_choose_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     from vsnap import _cuda, _restore
-    from vsnap._errors import HostNotReady
+    from vsnap.protocol.errors import HostNotReady
 
     gpus = [{"index": 0, "name": "NVIDIA H200", "uuid": "GPU-a"}, {"index": 1, "name": "NVIDIA H200", "uuid": "GPU-b"},
             {"index": 2, "name": "NVIDIA H100", "uuid": "GPU-c"}]

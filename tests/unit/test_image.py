@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from vsnap._errors import ImageError
+from vsnap.protocol.errors import ImageError
 from vsnap._image import check_parent, checksum_tree, image_lock, make_staging, publish
 
 
@@ -61,7 +61,7 @@ def test_checksum_tree(tmp_path: Path) -> None:
 
 def test_manifest_of_another_format_version_is_named(tmp_path: Path) -> None:
     """A manifest of another version has other fields: its version must still be what is reported."""
-    from vsnap._errors import ImageFormatError
+    from vsnap.protocol.errors import ImageFormatError
     from vsnap._manifest import read_manifest
 
     image = tmp_path / "img"

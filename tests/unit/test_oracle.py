@@ -1,7 +1,7 @@
 import pytest
 
-from vsnap._errors import OracleMismatch
-from vsnap._oracle import Oracle, OracleSample, compare_oracles
+from vsnap.protocol.errors import OracleMismatch
+from vsnap.protocol.oracle import Oracle, OracleSample, compare_oracles
 
 
 def oracle(ids: list[int], lp: float = -1.0) -> Oracle:

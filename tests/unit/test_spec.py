@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from vsnap._errors import SpecError
+from vsnap.protocol.errors import SpecError
 from vsnap._spec import load_spec
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from vsnap._errors import ImageTampered
+from vsnap.protocol.errors import ImageTampered
 from vsnap._image import checksum_tree, verify_files
 
 

@@ -81,7 +81,7 @@ def test_config_rules_on_a_resolved_config(tiny_llama: Path) -> None:
 
 
 def test_validate_spec_reports_refused_argument(tiny_llama: Path, tmp_path: Path) -> None:
-    from vsnap._errors import SpecError
+    from vsnap.protocol.errors import SpecError
     from vsnap._spec import load_spec
     from vsnap._vllm_check import require_supported_args
 

@@ -9,7 +9,7 @@ from typing import Any, Callable, TypeVar
 
 import typer
 
-from .._errors import VsnapError
+from ..protocol.errors import VsnapError
 from . import _render
 
 EXIT_CODES_HELP = """

@@ -9,7 +9,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from .._errors import VsnapError
+from ..protocol.errors import VsnapError
 from .._events import PhaseEvent
 
 JSON_FORMAT_VERSION = 1

@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from .. import _restore
-from .._errors import EngineError
+from ..protocol.errors import EngineError
 from . import _render
 from . import app, error_boundary
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from .. import _restore
-from .._errors import ProcessTreeError
+from ..protocol.errors import ProcessTreeError
 from .._instances import running_instances
 from . import _render
 from . import app, error_boundary

@@ -17,7 +17,7 @@ import time
 import traceback
 from pathlib import Path
 
-from .._control import ENGINE_LOG
+from ..protocol.control import ENGINE_LOG
 
 
 def _reopen_stdio(log_path: Path) -> None:
@@ -60,7 +60,7 @@ def _reap_orphans() -> None:
 
 def _watch_owner(control_dir: Path) -> None:
     """Shut the tree down when the vsnap process that owns it is gone (SIGKILLed, crashed)."""
-    from .._control import owner_gone
+    from ..protocol.control import owner_gone
 
     while True:
         time.sleep(1.0)
@@ -94,7 +94,7 @@ def main() -> int:
     except OSError:
         pass
     _reopen_stdio(control_dir / ENGINE_LOG)
-    from .._loopback import loopback_up
+    from ..protocol.loopback import loopback_up
 
     loopback_up()  # the tree's own network namespace starts with lo down
     print(f"vsnap engine root pid {os.getpid()} starting", flush=True)

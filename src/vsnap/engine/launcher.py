@@ -12,10 +12,10 @@ import socket
 import time
 from pathlib import Path
 
-from .. import _control as control
-from .._control import Activation, LaunchConfig, Ready, Status
-from .._errors import ControlProtocolError, PhaseTimeout
-from .._oracle import compare_oracles
+from ..protocol import control
+from ..protocol.control import Activation, LaunchConfig, Ready, Status
+from ..protocol.errors import ControlProtocolError, PhaseTimeout
+from ..protocol.oracle import compare_oracles
 from .adapters.base import make_adapter
 from .heap import release_heap
 

@@ -6,8 +6,8 @@ import abc
 import socket
 from typing import Any
 
-from ..._control import Activation, LaunchConfig
-from ..._oracle import Oracle
+from ...protocol.control import Activation, LaunchConfig
+from ...protocol.oracle import Oracle
 
 
 class EngineAdapter(abc.ABC):

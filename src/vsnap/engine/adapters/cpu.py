@@ -14,9 +14,9 @@ import threading
 import time
 from typing import Any
 
-from ..._control import Activation
-from ..._errors import EngineError
-from ..._oracle import Oracle, OracleSample
+from ...protocol.control import Activation
+from ...protocol.errors import EngineError
+from ...protocol.oracle import Oracle, OracleSample
 from .. import cpu_model
 from .base import EngineAdapter
 

@@ -18,9 +18,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from ..._control import Activation
-from ..._errors import EngineError, OracleMismatch
-from ..._oracle import Oracle, OracleSample, compare_oracles
+from ...protocol.control import Activation
+from ...protocol.errors import EngineError, OracleMismatch
+from ...protocol.oracle import Oracle, OracleSample, compare_oracles
 from . import vllm_rules, vllm_weights
 from .base import EngineAdapter
 

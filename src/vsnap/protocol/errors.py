@@ -6,9 +6,14 @@ so it imports nothing from vsnap, rich, torch or vLLM.
     VsnapError               1  message, hint, log_path
     ├── SpecError            2  issues: [SpecIssue(file, line, column, field, message)]
     ├── HostNotReady         3  check, required, found
+    ├── UsageError           2  a command line that cannot apply (Click's usage errors exit 2 too)
+    │   └── UnsupportedOption 11  option (e.g. --gpu for an image without CUDA state)
     ├── ImageError           4
     │   ├── ImageFormatError    format_version
+    │   │   └── ImageIncompatible  recorded, current (vsnap or protocol version)
     │   ├── ImageTampered       file, expected, actual
+    │   ├── ImageUntrusted      path, reason (owner, mode, symlink, a path that leaves the image)
+    │   ├── ImageBusy           path (locked by a capture or restore)
     │   └── ImageHostMismatch   mismatches: [(fact, recorded, current)]
     ├── CheckpointError      5  phase
     │   ├── CriuError           action, returncode, log_path, excerpt
@@ -16,7 +21,9 @@ so it imports nothing from vsnap, rich, torch or vLLM.
     │   └── PhaseTimeout        phase, seconds
     ├── EngineError          6  phase, type, message (from error.json)
     │   └── OracleMismatch   7  prompt, position, expected, actual
-    └── ControlProtocolError 8  path, reason
+    ├── ControlProtocolError 8  path, reason
+    ├── NothingRunning       9  no instance runs (vsnap stop with nothing to stop)
+    └── UnknownInstance     10  target (no image or instance of that name runs)
 
 Ctrl-C exits 130 after teardown. Anything that is not a VsnapError is a bug.
 """
@@ -117,6 +124,33 @@ class ImageTampered(ImageError):
         self.file, self.expected, self.actual = file, expected, actual
 
 
+class ImageIncompatible(ImageFormatError):
+    """The image was written by a vsnap whose engine contract this one does not speak."""
+
+    def __init__(self, what: str, recorded: str, current: str, *, hint: str = "") -> None:
+        super().__init__(f"image was captured by {what} {recorded}; this vsnap speaks {current}",
+                         hint=hint or "restore it with the vsnap that captured it, or capture it again with this one")
+        self.what, self.recorded, self.current = what, recorded, current
+
+
+class ImageUntrusted(ImageError):
+    """Root would act on a file that someone else could have chosen: refused before anything runs."""
+
+    def __init__(self, path: Path | str, reason: str, *, hint: str = "") -> None:
+        super().__init__(f"{path}: {reason}", hint=hint or (
+            "an image must be root's alone: chown -R root:root and chmod -R go-w it (and its parents), "
+            "or capture it again"))
+        self.path, self.reason = str(path), reason
+
+
+class ImageBusy(ImageError):
+    """Another vsnap holds the image's lock (a capture replacing it, or a restore reading it)."""
+
+    def __init__(self, path: Path | str, message: str, *, hint: str = "") -> None:
+        super().__init__(message, hint=hint or "wait for the other vsnap to finish")
+        self.path = str(path)
+
+
 class ImageHostMismatch(ImageError):
     def __init__(self, mismatches: Sequence[tuple[str, str, str]]) -> None:
         self.mismatches = list(mismatches)
@@ -125,6 +159,22 @@ class ImageHostMismatch(ImageError):
             f"image does not fit this host: {text}",
             hint="restore on a host with the same software, or capture a new image here",
         )
+
+
+class UsageError(VsnapError):
+    """The command line asks for something that cannot apply. Exit code 2, like Click's usage errors."""
+
+    exit_code = 2
+
+
+class UnsupportedOption(UsageError):
+    """An option that the target cannot honour (never ignored silently)."""
+
+    exit_code = 11
+
+    def __init__(self, option: str, message: str, *, hint: str = "") -> None:
+        super().__init__(message, hint=hint or f"leave out {option}")
+        self.option = option
 
 
 class CheckpointError(VsnapError):
@@ -213,3 +263,22 @@ class ControlProtocolError(VsnapError):
     def __init__(self, path: Path | str, reason: str) -> None:
         super().__init__(f"{path}: {reason}", hint="remove it, or use a private control directory you own")
         self.path, self.reason = str(path), reason
+
+
+class NothingRunning(VsnapError):
+    """There is no running instance at all (``vsnap stop`` with nothing to stop)."""
+
+    exit_code = 9
+
+    def __init__(self, message: str = "no vsnap instance is running", *, hint: str = "") -> None:
+        super().__init__(message, hint=hint or "vsnap ps lists running instances; vsnap restore IMAGE starts one")
+
+
+class UnknownInstance(VsnapError):
+    """Instances run, but none is the image or instance id named."""
+
+    exit_code = 10
+
+    def __init__(self, target: str, *, hint: str = "") -> None:
+        super().__init__(f"no running instance of {target}", hint=hint or "vsnap ps lists the running instances")
+        self.target = target

@@ -10,7 +10,7 @@ Every write is atomic (a temp file opened O_EXCL|O_NOFOLLOW, fsync, rename, fsyn
 directory). Every read refuses symlinks, files that are not regular, files owned by another
 user and files others may write. The directory itself must be owned by us and private (0700).
 
-A leaf: imports pydantic, _errors and _oracle only (the engine tree imports it).
+A leaf: imports pydantic, protocol.errors and protocol.oracle only (the engine tree imports it).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from typing import Any, Callable, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ._errors import ControlProtocolError, PhaseTimeout
-from ._oracle import Oracle
+from .errors import ControlProtocolError, PhaseTimeout
+from .oracle import Oracle
 
 LAUNCH = "launch.json"
 READY = "ready.json"

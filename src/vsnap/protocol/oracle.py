@@ -1,6 +1,6 @@
 """The oracle: what the engine computed before capture, and the comparison after restore.
 
-A leaf (pydantic and _errors only): the engine tree, the manifest and the tests share it.
+A leaf (pydantic and protocol.errors only): the engine tree, the manifest and the tests share it.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import math
 
 from pydantic import BaseModel, ConfigDict
 
-from ._errors import OracleMismatch
+from .errors import OracleMismatch
 
 
 class OracleSample(BaseModel):
