@@ -52,7 +52,7 @@ def resolve_model(spec: ModelSpec) -> Path:
     directory = DEFAULT_MODEL_ROOT / CPU_MODEL_NAME
     if (directory / "config.json").is_file() and (directory / "model.safetensors").is_file():
         return directory
-    from .engine import cpu_model  # imports torch: only when the model must be written
+    from .engine.adapters.cpu import model as cpu_model  # imports torch: only when the model must be written
 
     return cpu_model.write_model(directory)
 

@@ -199,7 +199,7 @@ def test_altered_image_refused_with_its_name(captured: CapturedImage, tmp_path: 
 
 
 def test_engine_dying_before_ready_leaves_no_image_and_no_process(tmp_path: Path) -> None:
-    from vsnap.engine.cpu_model import write_model
+    from vsnap.engine.adapters.cpu.model import write_model
 
     model = write_model(tmp_path / "broken-model")
     (model / "model.safetensors").write_bytes(b"\0" * 64)  # the worker cannot load it
@@ -257,7 +257,7 @@ def test_changed_host_files_are_named_and_changed_weights_fail_the_oracle(tmp_pa
     """Cross-host readiness: a file the tree depends on differs. A different size is refused before
     CRIU runs; same-size different content is named by validate, and a restore fails closed on the
     oracle (exit 7) without ever opening the port."""
-    from vsnap.engine.cpu_model import write_model
+    from vsnap.engine.adapters.cpu.model import write_model
 
     model = write_model(tmp_path / "model")
     spec = write_spec(tmp_path, "deps", model=str(model))

@@ -61,7 +61,8 @@ def test_the_checker_sees_a_forbidden_import(tmp_path: Path) -> None:
 
 
 ENGINE_MODULES = ["vsnap.engine.__main__", "vsnap.engine.launcher", "vsnap.engine.adapters.base",
-                  "vsnap.engine.adapters.cpu", "vsnap.engine.cpu_server", "vsnap.engine.cpu_worker"]
+                  "vsnap.engine.adapters.cpu", "vsnap.engine.adapters.cpu.adapter", "vsnap.engine.adapters.cpu.model",
+                  "vsnap.engine.adapters.cpu.server", "vsnap.engine.adapters.cpu.worker"]
 
 
 def test_a_fresh_engine_interpreter_loads_no_orchestrator() -> None:
@@ -71,7 +72,7 @@ def test_a_fresh_engine_interpreter_loads_no_orchestrator() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     loaded = json.loads(out.stdout)
     ours = [m for m in loaded if m.startswith("vsnap")]
-    assert "vsnap.engine.adapters.cpu" in ours  # the probe really ran
+    assert "vsnap.engine.adapters.cpu.adapter" in ours  # the probe really ran
     assert [m for m in ours if m != "vsnap" and not m.startswith(ALLOWED)] == []
     assert [m for m in ORCHESTRATOR_ONLY if m in loaded] == []
 

@@ -14,7 +14,7 @@ from typing import Any
 def serve_pipe(conn: Connection, model_dir: str, loaded: Any) -> None:
     import torch
 
-    from . import cpu_model
+    from . import model as cpu_model
 
     # One thread: the same arithmetic order on every run, and fewer threads to checkpoint.
     torch.set_num_threads(1)

@@ -10,10 +10,10 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from . import cpu_model
+from . import model as cpu_model
 
 if TYPE_CHECKING:
-    from .adapters.cpu import CpuAdapter
+    from .adapter import CpuAdapter
 
 
 class CompletionRequest(BaseModel):

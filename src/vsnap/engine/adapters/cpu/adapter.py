@@ -14,11 +14,11 @@ import threading
 import time
 from typing import Any
 
-from ...protocol.control import Activation
-from ...protocol.errors import EngineError
-from ...protocol.oracle import Oracle, OracleSample
-from .. import cpu_model
-from .base import EngineAdapter
+from ....protocol.control import Activation
+from ....protocol.errors import EngineError
+from ....protocol.oracle import Oracle, OracleSample
+from ..base import EngineAdapter
+from . import model as cpu_model
 
 
 class CpuAdapter(EngineAdapter):
@@ -57,8 +57,8 @@ class CpuAdapter(EngineAdapter):
         # Import the HTTP stack now, so that it is in the image and not paid for at restore.
         import uvicorn  # noqa: F401
 
-        from .. import cpu_server  # noqa: F401
-        from ..cpu_worker import serve_pipe
+        from . import server  # noqa: F401
+        from .worker import serve_pipe
 
         context = multiprocessing.get_context("spawn")
         parent, child = context.Pipe()
@@ -102,7 +102,7 @@ class CpuAdapter(EngineAdapter):
     async def serve(self, sock: socket.socket) -> None:
         import uvicorn
 
-        from ..cpu_server import build_app
+        from .server import build_app
 
         app = build_app(self, self.launch.served_model_name)
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
