@@ -1,8 +1,16 @@
-"""The built-in CPU engine: an HTTP frontend (this process) and a spawned worker holding the model.
+"""The built-in CPU engine's frontend side: the adapter the launcher drives, and the HTTP server's engine.
 
-The same process shape as vLLM: the frontend owns the HTTP socket, the worker owns the
-model, and they talk over IPC (a multiprocessing pipe). prepare() drops the weights in the
-worker; recover() reloads them from the safetensors file.
+The same process shape as vLLM: the frontend (this process) owns the HTTP socket, the
+scheduler and the oracle; the spawned worker (worker.py) owns the model; they talk over IPC (a
+multiprocessing pipe, one call at a time). prepare() drops the weights in the worker;
+recover() reloads them from the safetensors file.
+
+Every generation, the oracle's included, goes through one ``Scheduler`` (scheduler.py), which
+asks the worker for one step of every running sequence at a time: so the oracle runs exactly
+the arithmetic that serves requests, and concurrent requests take turns. Limits: serve
+argument ``max_num_seqs`` (vLLM's name; default 8; the spec does not pass it yet) sequences
+run at once, ``MAX_WAITING`` more wait; ``max_model_len`` (default 256) bounds prompt plus
+completion.
 """
 
 from __future__ import annotations
@@ -19,6 +27,9 @@ from ....protocol.errors import EngineError
 from ....protocol.oracle import Oracle, OracleSample
 from ..base import EngineAdapter
 from . import model as cpu_model
+from .scheduler import Scheduler
+
+MAX_WAITING = 64  # requests queued for a running slot before new ones get HTTP 503
 
 
 class CpuAdapter(EngineAdapter):
@@ -28,6 +39,8 @@ class CpuAdapter(EngineAdapter):
         self._process: multiprocessing.process.BaseProcess | None = None
         self._lock = threading.Lock()  # one request on the pipe at a time
         self.max_len = int(launch.serve_args.get("max_model_len", 256))
+        self.scheduler = Scheduler(self._step, max_len=self.max_len, max_waiting=MAX_WAITING,
+                                   max_running=int(launch.serve_args.get("max_num_seqs", 8)))
 
     # --- IPC -----------------------------------------------------------------------------
     def _call_blocking(self, verb: str, *args: Any) -> Any:
@@ -49,8 +62,8 @@ class CpuAdapter(EngineAdapter):
     async def call(self, verb: str, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(None, self._call_blocking, verb, *args)
 
-    async def generate(self, prompt: str, max_tokens: int, top_k: int) -> dict[str, Any]:
-        return await self.call("generate", prompt, max_tokens, top_k, self.max_len)
+    async def _step(self, batch: list[tuple[list[int], int]]) -> list[cpu_model.Step]:
+        return await self.call("step", batch)
 
     # --- verbs ---------------------------------------------------------------------------
     async def build(self) -> None:
@@ -83,10 +96,12 @@ class CpuAdapter(EngineAdapter):
 
     async def run_oracle(self) -> Oracle:
         samples = []
-        for prompt in self.launch.oracle_prompts:
-            out = await self.generate(prompt, self.launch.oracle_max_tokens, self.launch.oracle_top_k)
-            samples.append(OracleSample(prompt=prompt, token_ids=out["token_ids"], logprobs=out["logprobs"],
-                                        text=cpu_model.decode(out["token_ids"])))
+        for prompt in self.launch.oracle_prompts:  # one at a time, as the adapter contract says
+            sequence = self.scheduler.submit(cpu_model.encode(prompt), self.launch.oracle_max_tokens,
+                                             self.launch.oracle_top_k)
+            await sequence.result()
+            samples.append(OracleSample(prompt=prompt, token_ids=sequence.token_ids, logprobs=sequence.logprobs,
+                                        text=cpu_model.decode(sequence.token_ids)))
         return Oracle(samples=samples)
 
     async def prepare(self) -> Oracle:
@@ -104,11 +119,14 @@ class CpuAdapter(EngineAdapter):
 
         from .server import build_app
 
-        app = build_app(self, self.launch.served_model_name)
-        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
+        app = build_app(self.scheduler, self.launch.served_model_name)
+        # A stream still open at shutdown is cut after 5 s, not waited for.
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                                timeout_graceful_shutdown=5)
         await uvicorn.Server(config).serve(sockets=[sock])
 
     async def shutdown(self) -> None:
+        await self.scheduler.close(EngineError("serve", "EngineStopped", "the engine is shutting down"))
         process, self._process = self._process, None
         if process is None:
             return

@@ -1,13 +1,26 @@
 """The CPU engine's model: a small decoder-only transformer over bytes, stored as safetensors.
 
 vsnap writes it deterministically (a fixed seed) when a cpu spec names no model, so every
-host that writes it gets the same bytes. Generation is greedy with top-k log probabilities,
-recomputing the whole sequence at each step: slow for long outputs, simple and exactly
-reproducible, which is what the oracle needs.
+host that writes it gets the same bytes. Tokens are bytes (0-255) plus BOS and EOS.
+
+Generation is greedy with top-k log probabilities, one token per ``next_token`` call, which
+recomputes the whole sequence (no KV cache): slow for long outputs, but simple and exactly
+reproducible, which is what the oracle needs. Why one sequence per forward pass: a batch of
+sequences of different lengths would need padding and a batched matmul whose blocking differs
+from a single row's, so its logprobs need not be bit-identical to a request served alone. The
+scheduler (scheduler.py) therefore interleaves sequences step by step instead of batching them
+inside one forward pass; ``step`` runs several sequences one after the other in one worker call.
+
+``generate`` is the reference answer: every way of serving a prompt (the oracle, a streamed or
+a plain completion, a request scheduled among others) must give exactly its tokens and logprobs.
+
+The chat template (``chat_prompt``) and the streaming detokenizer (``TextStream``) live here
+too: like a tokenizer's, they belong to the model.
 """
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 import shutil
@@ -157,19 +170,70 @@ def drop_weights(model: TinyDecoder) -> None:
         param.data = torch.empty(0)
 
 
+Step = tuple[int, dict[str, float]]  # the chosen token and the top-k logprobs by token id (best first)
+
+
 @torch.no_grad()
+def next_token(model: TinyDecoder, ids: list[int], top_k: int) -> Step:
+    """One greedy step: the whole sequence through the model, the last position's top-k."""
+    logits = model(torch.tensor([ids]))[0, -1].float()
+    log_probs = torch.log_softmax(logits, dim=-1)
+    values, indices = torch.topk(log_probs, top_k)
+    return int(indices[0]), {str(int(i)): float(v) for v, i in zip(values, indices)}
+
+
+def step(model: TinyDecoder, batch: list[tuple[list[int], int]]) -> list[Step]:
+    """One step of each (ids, top_k) in ``batch``, one forward pass each (see the module docstring)."""
+    return [next_token(model, ids, top_k) for ids, top_k in batch]
+
+
+def check_length(prompt_tokens: int, max_tokens: int, max_len: int) -> None:
+    if prompt_tokens + max_tokens > max_len:
+        raise ValueError(f"prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) "
+                         f"exceeds max_model_len {max_len}")
+
+
 def generate(model: TinyDecoder, prompt: str, max_tokens: int, top_k: int, max_len: int) -> dict[str, Any]:
     """Greedy decoding; returns the token ids and, per position, the top-k logprobs by token id."""
     ids = encode(prompt)
-    if len(ids) + max_tokens > max_len:
-        raise ValueError(f"prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) exceeds max_model_len {max_len}")
+    check_length(len(ids), max_tokens, max_len)
     tokens: list[int] = []
     logprobs: list[dict[str, float]] = []
     for _ in range(max_tokens):
-        logits = model(torch.tensor([ids + tokens]))[0, -1].float()
-        log_probs = torch.log_softmax(logits, dim=-1)
-        values, indices = torch.topk(log_probs, top_k)
-        chosen = int(indices[0])
+        chosen, top = next_token(model, ids + tokens, top_k)
         tokens.append(chosen)
-        logprobs.append({str(int(i)): float(v) for v, i in zip(values, indices)})
+        logprobs.append(top)
     return {"token_ids": tokens, "logprobs": logprobs, "prompt_tokens": len(ids)}
+
+
+class TextStream:
+    """Text of a token stream as it grows: a byte that ends a UTF-8 character releases it.
+
+    ``"".join(push(t) for t in tokens) + flush()`` equals ``decode(tokens)``: a streamed answer
+    has exactly the non-streamed text; incomplete characters wait for their last byte (or
+    become U+FFFD at the end, as ``decode`` makes them).
+    """
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token: int) -> str:
+        return self._decoder.decode(bytes([token])) if token < 256 else ""
+
+    def flush(self) -> str:
+        return self._decoder.decode(b"", final=True)
+
+
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+
+def chat_prompt(messages: list[tuple[str, str]]) -> str:
+    """The chat template: each (role, content) as ``<|role|>\ncontent\n``, then ``<|assistant|>\n``.
+
+    For example ``[("system", "Be brief."), ("user", "Hi")]`` becomes
+    ``"<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\n"``; the completion continues it.
+    """
+    for role, _ in messages:
+        if role not in CHAT_ROLES:
+            raise ValueError(f"message role {role!r} is not one of {', '.join(CHAT_ROLES)}")
+    return "".join(f"<|{role}|>\n{content}\n" for role, content in messages) + "<|assistant|>\n"

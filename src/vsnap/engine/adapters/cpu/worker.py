@@ -1,7 +1,14 @@
 """The CPU engine's worker process: holds the model, answers requests over a multiprocessing pipe.
 
 It is spawned (not forked) by the frontend, like vLLM's EngineCore. Requests are tuples
-``(verb, *args)``; replies are ``("ok", value)`` or ``("error", type, message)``.
+``(verb, *args)``; replies are ``("ok", value)`` or ``("error", type, message)``. The verbs:
+``ping``; ``step(batch)`` with ``batch`` a list of ``(token ids, top_k)``, answered with one
+``(token, top-k logprobs)`` per entry (model.step); ``drop_weights``, ``load_weights``; ``exit``.
+
+Why the worker keeps no per-request state: the frontend sends each sequence's ids with every
+step, so a request that is cancelled, fails or outlives a capture leaves nothing behind here,
+and the image never holds a half-done request. The ids of a sequence are a few kilobytes at
+most; the forward pass costs far more than sending them.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ def serve_pipe(conn: Connection, model_dir: str, loaded: Any) -> None:
     loaded.set()  # a multiprocessing.Event: a POSIX semaphore, as vLLM's processes hold too
     handlers: dict[str, Any] = {
         "ping": lambda: "pong",
-        "generate": lambda prompt, max_tokens, top_k, max_len: cpu_model.generate(model, prompt, max_tokens, top_k, max_len),
+        "step": lambda batch: cpu_model.step(model, batch),
         "drop_weights": lambda: cpu_model.drop_weights(model),
         "load_weights": lambda: cpu_model.load_weights(model, directory),
     }
