@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import shutil
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,11 +24,15 @@ from ._criu_options import DumpOptions, external_mounts
 from .protocol.errors import CheckpointError, CriuError, EngineError, HostNotReady, ImageError, ProcessTreeError
 from ._events import ProgressCallback, Timings
 from ._host import host_facts, require_host
-from ._image import HASH_THREADS, check_parent, checksum_tree, image_lock, make_staging, publish, remove_stale_staging, sha256_file
-from ._instances import new_instance_dir
+from ._cleanup import Cleanup
+from ._image import (HASH_THREADS, check_parent, checksum_tree, image_lock, image_read_lock, make_staging, publish,
+                     remove_stale_staging, require_replaceable, sha256_file)
+from ._instances import (CaptureRecord, new_instance_dir, prune_dead_runs, register_capture, this_process,
+                         unregister_capture)
 from ._manifest import (CRIU_DIR, DUMP_LOG, ENGINE_LOG, FORMAT_VERSION, MANIFEST, SHM_DIR, WEIGHTS_DIR, Dependency,
-                        HostFacts, Manifest)
-from ._proctree import LaunchedTree, kill_tree, launch_tree, mapped_and_open_files, tree_pids, wait_gone
+                        HostFacts, ImageLaunch, Manifest)
+from ._proctree import LaunchedTree, is_same, kill_tree, launch_tree, mapped_and_open_files, tree_pids, wait_gone
+from ._trust import require_trusted_ancestors
 from ._netns import NETNS_KEY, netns_inode
 from ._shm import SHM, instance_shm_dir, link_remap_files, remove_instance_shm
 from ._spec import ModelSpec
@@ -62,7 +67,7 @@ def launch_config(spec: ModelSpec, model_dir: Path) -> LaunchConfig:
         engine=spec.engine, model=str(model_dir), served_model_name=spec.served_model_name,
         serve_args=dict(spec.serve), oracle_prompts=list(spec.oracle.prompts),
         oracle_max_tokens=spec.oracle.max_tokens, oracle_top_k=spec.oracle.top_k,
-        oracle_tolerance=spec.oracle.tolerance, timeout_s=spec.snapshot.timeout_s,
+        oracle_tolerance=spec.oracle.tolerance, timeout_s=spec.snapshot.timeout_s, **control.stamp(),
     )
 
 
@@ -181,10 +186,35 @@ def dump_failure(error: CriuError, staging: Path, control_dir: Path) -> Checkpoi
     return error
 
 
+# What a tree parked at its barrier may have in its control directory: what vsnap wrote (the
+# launch file, the owner heartbeat and its temp files) and what the engine writes before the
+# barrier (ready.json, its log, vLLM's IPC sockets under rpc/). Anything else (an activation,
+# a status, an error, a file of unknown origin) means the tree may have gone past its barrier.
+PARKED_FILES = frozenset({control.LAUNCH, control.READY, control.OWNER, control.ENGINE_LOG})
+PARKED_DIRS = frozenset({"rpc"})
+
+
+def require_parked(tree: LaunchedTree, work: Path, ready: Ready) -> None:
+    """The tree is still the one launched, alive, and parked at its barrier (see PARKED_FILES)."""
+    log = work / control.ENGINE_LOG
+    if not is_same(tree.identity):
+        raise ProcessTreeError(tree.root_pid, "the engine tree exited at its capture barrier", phase="criu dump",
+                               log_path=log)
+    require_parked_files(work)
+    if control.read_message(work, control.READY, Ready) != ready:
+        raise CheckpointError(f"{work / control.READY} changed after the tree reached its barrier", phase="criu dump",
+                              hint="capture again; nothing was published", log_path=log)
+
+
 def capture_image(spec: ModelSpec, *, image_dir: Path | None = None, force: bool = False,
                   env: dict[str, str] | None = None, on_event: ProgressCallback | None = None) -> CaptureResult:
     """Boot ``spec``'s engine, checkpoint it at the barrier and publish the image (``env``: more
-    environment for the tree, e.g. a compile cache)."""
+    environment for the tree, e.g. a compile cache).
+
+    What may stand at the image path is checked before the boot (nothing, or with ``force`` a
+    vsnap image: never a link or an ordinary directory). Every resource is released on every exit
+    path (_cleanup): the tree, the staging directory, the tree's /dev/shm directory, the record.
+    """
     extra_env = env
     image_dir = Path(image_dir or spec.image_dir).absolute()
     control_dir = spec.control_dir
@@ -193,20 +223,28 @@ def capture_image(spec: ModelSpec, *, image_dir: Path | None = None, force: bool
         require_host(spec.engine)
         runner = CriuRunner.locate()
         check_parent(image_dir)
+        require_trusted_ancestors(control_dir)
+        require_replaceable(image_dir, force)
         if spec.engine == "vllm":
             from ._vllm_check import require_supported_args
 
             require_supported_args(spec)
-    with image_lock(image_dir):
-        if image_dir.exists() and not force:
-            raise ImageError(f"{image_dir} already exists", hint="pass --force to replace it once the new one is complete")
+    prune_dead_runs()
+    with image_lock(image_dir), Cleanup() as cleanup:
+        require_replaceable(image_dir, force)  # again, now that we hold the lock
         remove_stale_staging(image_dir)
         with timings.phase("prepare model"):
             model_dir = resolve_model(spec)
         control.ensure_private_dir(control_dir)  # the mount point inside the tree
         instance_id, work = new_instance_dir(control_dir, "capture")  # bound there: this capture's files
+        cleanup.on_success(shutil.rmtree, work, True)  # a failed capture keeps it: the logs its error names
         shm_dir = instance_shm_dir(instance_id)  # bound at /dev/shm in the tree
+        cleanup.on_exit(remove_instance_shm, shm_dir)
         staging = make_staging(image_dir)
+        cleanup.on_failure(shutil.rmtree, staging, True)
+        register_capture(CaptureRecord(id=instance_id, owner=this_process(), image=str(image_dir),
+                                       staging=str(staging), shm_dir=str(shm_dir), started_at=time.time()))
+        cleanup.on_exit(unregister_capture, instance_id)
         launch = launch_config(spec, model_dir)
         if spec.engine == "vllm" and spec.snapshot.weights == "image":  # the engine writes it there
             launch = launch.model_copy(update={"weights_dir": str(staging / WEIGHTS_DIR)})
@@ -214,91 +252,110 @@ def capture_image(spec: ModelSpec, *, image_dir: Path | None = None, force: bool
         env = {**tree_environment(control_dir, work, spec.engine), **(extra_env or {})}
         if spec.engine == "vllm":
             env.setdefault("CUDA_VISIBLE_DEVICES", capture_gpu_uuid())
-        tree: LaunchedTree | None = None
         heartbeat = control.OwnerHeartbeat(work).start()
-        try:
-            with timings.phase("launch"):
-                tree = launch_tree(control_dir, work, shm_dir, env)
-            with timings.phase("boot engine"):
-                ready = wait_ready(tree, work, spec.snapshot.timeout_s)
-            pids = tree_pids(tree.root_pid)
-            dependencies = _dependencies(pids, model_dir, control_dir)
-            with open(f"/proc/{tree.root_pid}/mountinfo") as f:
-                externals = external_mounts(f.read())
-            control_key = next((k for k, mountpoint in externals.items() if mountpoint == str(control_dir)), None)
-            shm_key = next((k for k, mountpoint in externals.items() if mountpoint == str(SHM)), None)
-            if control_key is None or shm_key is None:
-                raise ProcessTreeError(tree.root_pid, f"the tree lacks its mounts at {control_dir} and {SHM}",
-                                       phase="boot engine", log_path=work / control.ENGINE_LOG)
-            facts = host_facts(spec.engine, visible=env.get("CUDA_VISIBLE_DEVICES"))
-            (staging / CRIU_DIR).mkdir()
-            (staging / "logs").mkdir()
-            cuda_pids: list[int] = []
-            gpu_bytes: dict[int, int] = {}
-            if spec.engine == "vllm":
-                from ._cuda import CudaCheckpoint, gpu_memory_by_pid
+        cleanup.on_exit(heartbeat.stop)
+        with timings.phase("launch"):
+            tree = launch_tree(control_dir, work, shm_dir, env)
+        cleanup.on_failure(end_launched_tree, tree)
+        with timings.phase("boot engine"):
+            ready = wait_ready(tree, work, spec.snapshot.timeout_s)
+        pids = tree_pids(tree.root_pid)
+        dependencies = _dependencies(pids, model_dir, control_dir)
+        with open(f"/proc/{tree.root_pid}/mountinfo") as f:
+            externals = external_mounts(f.read())
+        control_key = next((k for k, mountpoint in externals.items() if mountpoint == str(control_dir)), None)
+        shm_key = next((k for k, mountpoint in externals.items() if mountpoint == str(SHM)), None)
+        if control_key is None or shm_key is None:
+            raise ProcessTreeError(tree.root_pid, f"the tree lacks its mounts at {control_dir} and {SHM}",
+                                   phase="boot engine", log_path=work / control.ENGINE_LOG)
+        facts = host_facts(spec.engine, visible=env.get("CUDA_VISIBLE_DEVICES"))
+        (staging / CRIU_DIR).mkdir()
+        (staging / "logs").mkdir()
+        cuda_pids: list[int] = []
+        gpu_bytes: dict[int, int] = {}
+        require_parked(tree, work, ready)
+        if spec.engine == "vllm":
+            from ._cuda import CudaCheckpoint, gpu_memory_by_pid
 
-                gpu_bytes = gpu_memory_by_pid()  # what each process's CUDA checkpoint will move
-                with timings.phase("cuda checkpoint"):
-                    cuda = CudaCheckpoint()
-                    cuda_pids = cuda.cuda_pids(pids)
-                    cuda.checkpoint(cuda_pids)
-            processes = [{**process_memory(pid), **({"gpu_bytes": gpu_bytes[pid]} if pid in gpu_bytes else {})}
-                         for pid in pids]  # after the CUDA checkpoint: what CRIU writes
-            with timings.phase("criu dump"):
-                require_space(staging, processes)
-                try:
-                    runner.dump(DumpOptions(pid=tree.root_pid, images_dir=staging / CRIU_DIR,
-                                            log_file=staging / DUMP_LOG, externals=externals,
-                                            external_netns=(netns_inode(tree.root_pid), NETNS_KEY)))
-                except CriuError as error:
-                    raise dump_failure(error, staging, work) from None
-                left = wait_gone(pids, 30)
-                if left:
-                    raise ImageError(f"processes {left} of the tree survived the dump")
-                tree.unshare.wait(timeout=30)
-            shm_files = link_remap_files(shm_dir)
-            if shm_files:
-                (staging / SHM_DIR).mkdir()
-                for name in shm_files:
-                    shutil.move(str(shm_dir / name), staging / SHM_DIR / name)
-            shutil.copy2(work / control.ENGINE_LOG, staging / ENGINE_LOG)
-            with timings.phase("publish"):
-                files = checksum_tree(staging)
-                image_bytes = sum(entry.size for entry in files.values())
-                manifest = Manifest(
-                    format_version=FORMAT_VERSION,
-                    created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                    name=spec.name, engine=spec.engine, spec=spec.model_dump(mode="json"), launch=launch,
-                    control_dir=str(control_dir), control_mount_key=control_key, shm_mount_key=shm_key, netns_key=NETNS_KEY,
-                    oracle=ready.oracle, host=facts,
-                    externals=externals, shm_files=shm_files, cuda_processes=len(cuda_pids),
-                    gpu_memory_required=gpu_memory_required(spec, facts), dependencies=dependencies,
-                    timings={**timings.seconds, "engine_boot_to_ready": ready.times.get("prepared", 0)
-                             - ready.times.get("start", 0)},
-                    sizes={"image_bytes": image_bytes,
-                           "criu_bytes": sum(e.size for k, e in files.items() if k.startswith(CRIU_DIR + "/"))},
-                    files=files, processes=processes,
-                )
-                control.write_atomic(staging, MANIFEST, manifest.model_dump_json(indent=2).encode())
+            gpu_bytes = gpu_memory_by_pid()  # what each process's CUDA checkpoint will move
+            with timings.phase("cuda checkpoint"):
+                cuda = CudaCheckpoint()
+                cuda_pids = cuda.cuda_pids(pids)
+                cuda.checkpoint(cuda_pids)
+        processes = [{**process_memory(pid), **({"gpu_bytes": gpu_bytes[pid]} if pid in gpu_bytes else {})}
+                     for pid in pids]  # after the CUDA checkpoint: what CRIU writes
+        with timings.phase("criu dump"):
+            require_space(staging, processes)
+            require_parked(tree, work, ready)
+            try:
+                runner.dump(DumpOptions(pid=tree.root_pid, images_dir=staging / CRIU_DIR,
+                                        log_file=staging / DUMP_LOG, externals=externals,
+                                        external_netns=(netns_inode(tree.root_pid), NETNS_KEY)))
+            except CriuError as error:
+                raise dump_failure(error, staging, work) from None
+            left = wait_gone(pids, 30)
+            if left:
+                raise ImageError(f"processes {left} of the tree survived the dump")
+            tree.unshare.wait(timeout=30)
+            # what the image holds is the tree as it was at the dump: nothing may have reached
+            # its control directory until then (an activation read just before the freeze)
+            require_parked_files(work)
+        shm_files = link_remap_files(shm_dir)
+        if shm_files:
+            (staging / SHM_DIR).mkdir()
+            for name in shm_files:
+                shutil.move(str(shm_dir / name), staging / SHM_DIR / name)
+        shutil.copy2(work / control.ENGINE_LOG, staging / ENGINE_LOG)
+        with timings.phase("publish"):
+            files = checksum_tree(staging)
+            image_bytes = sum(entry.size for entry in files.values())
+            manifest = Manifest(
+                format_version=FORMAT_VERSION, protocol_version=control.PROTOCOL_VERSION,
+                vsnap_version=facts.vsnap,
+                created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                name=spec.name, engine=spec.engine, spec=spec.model_dump(mode="json"),
+                launch=ImageLaunch.of(launch),
+                control_dir=str(control_dir), control_mount_key=control_key, shm_mount_key=shm_key,
+                netns_key=NETNS_KEY, oracle=ready.oracle, host=facts,
+                externals=externals, shm_files=shm_files, cuda_processes=len(cuda_pids),
+                gpu_memory_required=gpu_memory_required(spec, facts), dependencies=dependencies,
+                timings={**timings.seconds, "engine_boot_to_ready": ready.times.get("prepared", 0)
+                         - ready.times.get("start", 0)},
+                sizes={"image_bytes": image_bytes,
+                       "criu_bytes": sum(e.size for k, e in files.items() if k.startswith(CRIU_DIR + "/"))},
+                files=files, processes=processes,
+            )
+            control.write_atomic(staging, MANIFEST, manifest.model_dump_json(indent=2).encode())
+            with image_read_lock(image_dir, exclusive=True):  # no restore is reading the old image
                 publish(staging, image_dir)
-                # just hashed: the first restore need not hash the files again
-                verified.remember(image_dir, {rel: (os.lstat(image_dir / rel), entry.sha256)
-                                              for rel, entry in files.items()})
-        except BaseException:
-            heartbeat.stop()
-            if tree is not None:
-                kill_tree(tree.root_pid)
-                if tree.unshare.poll() is None:
-                    tree.unshare.kill()
-                tree.unshare.wait()
-            shutil.rmtree(staging, ignore_errors=True)
-            remove_instance_shm(shm_dir)
-            raise  # the capture's instance directory stays, with the engine log the error names
-        heartbeat.stop()
-        shutil.rmtree(work, ignore_errors=True)
-        remove_instance_shm(shm_dir)
+            # just hashed: the first restore need not hash the files again
+            verified.remember(image_dir, {rel: (os.lstat(image_dir / rel), entry.sha256)
+                                          for rel, entry in files.items()})
     return CaptureResult(image_dir, manifest, dict(timings.seconds), image_bytes, image_dir / ENGINE_LOG)
+
+
+def require_parked_files(work: Path) -> None:
+    """Nothing in the control directory but what a parked tree has (checked before the CUDA
+    checkpoint, before the dump and after it: the image holds the tree as it was at the freeze)."""
+    for entry in sorted(os.scandir(work), key=lambda e: e.name):
+        parked = (entry.name in PARKED_FILES and entry.is_file(follow_symlinks=False)) or \
+            (entry.name in PARKED_DIRS and entry.is_dir(follow_symlinks=False)) or \
+            (entry.name.startswith(f".{control.OWNER}.") and entry.name.endswith(".tmp"))  # a heartbeat write
+        if not parked:
+            raise CheckpointError(
+                f"{entry.path} appeared in the capturing tree's control directory; only vsnap writes there, and the "
+                "tree may have gone past its barrier", phase="criu dump", log_path=work / control.ENGINE_LOG,
+                hint="capture again, and let nothing else write into the control directory; nothing was published")
+
+
+def end_launched_tree(tree: LaunchedTree) -> None:
+    """Kill a launched tree and its `unshare` parent; bounded waits."""
+    try:
+        kill_tree(tree.identity)
+    finally:
+        if tree.unshare.poll() is None:
+            tree.unshare.kill()
+        tree.unshare.wait(timeout=30)
 
 
 def capture_gpu_uuid() -> str:

@@ -8,20 +8,24 @@ image by renameat2(RENAME_EXCHANGE), so a good image is never lost to a failed c
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import hashlib
+import json
 import os
 import shutil
 import stat
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
 from . import _verified as verified
-from .protocol.errors import ImageError, ImageTampered
-from ._manifest import MANIFEST, FileEntry, Manifest
+from ._trust import require_inside, require_plain_names, require_trusted_ancestors, require_trusted_tree
+from .protocol.errors import ImageBusy, ImageError, ImageTampered, ImageUntrusted
+from ._manifest import MANIFEST, SHM_DIR, FileEntry, Manifest
 
 RENAME_EXCHANGE = 2
 CHUNK = 4 << 20
@@ -67,26 +71,110 @@ def piece_hashes(root: Path, files: dict[str, int]) -> dict[str, str]:
 
 
 def check_parent(image_dir: Path) -> None:
-    """The image's parent must not be writable by others: they could swap the image."""
+    """The image's parent and its ancestors must be root's and not writable by others: they could
+    swap the image. Missing directories are made, private."""
+    require_trusted_ancestors(image_dir)
     parent = image_dir.parent
     parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    st = parent.stat()
-    if st.st_mode & 0o022:
-        raise ImageError(f"{parent} is writable by group or others; an image there could be replaced",
-                         hint=f"chmod go-w {parent}, or choose another image directory")
+    require_trusted_ancestors(image_dir)
+
+
+def require_replaceable(image_dir: Path, force: bool) -> None:
+    """What may stand at ``image_dir`` before a capture: nothing, or (with --force) a vsnap image.
+
+    Checked before the boot and again at publish: never a link, never a directory without a
+    vsnap manifest (a capture with --force must not delete an ordinary directory)."""
+    try:
+        st = os.lstat(image_dir)
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(st.st_mode):
+        raise ImageUntrusted(image_dir, "is a symlink; vsnap never replaces or follows one",
+                             hint="remove the link, or capture into another --image")
+    if not stat.S_ISDIR(st.st_mode):
+        raise ImageError(f"{image_dir} exists and is not a directory; refusing to replace it",
+                         hint="remove it, or capture into another --image")
+    if not force:
+        raise ImageError(f"{image_dir} already exists", hint="pass --force to replace it once the new one is complete")
+    if not is_vsnap_image(image_dir):
+        raise ImageError(f"{image_dir} is not a vsnap image (no vsnap manifest.json); --force replaces only images",
+                         hint="remove it yourself if it is yours to delete, or capture into another --image")
+
+
+def is_vsnap_image(directory: Path) -> bool:
+    """A directory holding a regular manifest.json that reads as some version of vsnap's manifest."""
+    try:
+        fd = os.open(directory / MANIFEST, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > 16 << 20:
+            return False
+        raw = json.loads(os.read(fd, st.st_size + 1) or b"null")
+    except (OSError, ValueError):
+        return False
+    finally:
+        os.close(fd)
+    return isinstance(raw, dict) and isinstance(raw.get("format_version"), int) and isinstance(raw.get("files"), dict)
+
+
+def _open_lock(lock_path: Path) -> int:
+    """Open (creating) a lock file beside an image, never through a link; it must be root's."""
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ImageUntrusted(lock_path, "is a symlink; vsnap never follows a link at its lock",
+                                 hint=f"remove {lock_path} (vsnap makes it again)") from None
+        raise ImageError(f"cannot open the lock {lock_path}: {exc.strerror}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        os.close(fd)
+        raise ImageUntrusted(lock_path, "is not a private regular file of root's; it cannot serve as a lock",
+                             hint=f"remove {lock_path} (vsnap makes it again)")
+    return fd
+
+
+def _flock(fd: int, operation: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            fcntl.flock(fd, operation | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
 
 
 @contextmanager
 def image_lock(image_dir: Path) -> Iterator[None]:
-    """One capture per image path at a time (a flock on a file beside it)."""
+    """One capture per image path at a time (a flock on `.NAME.lock` beside it)."""
     lock_path = image_dir.parent / f".{image_dir.name}.lock"
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    fd = _open_lock(lock_path)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise ImageError(f"another vsnap capture is writing {image_dir}",
-                             hint="wait for it to finish, or capture into another --image") from None
+        if not _flock(fd, fcntl.LOCK_EX, 0):
+            raise ImageBusy(lock_path, f"another vsnap capture is writing {image_dir}",
+                            hint="wait for it to finish, or capture into another --image")
+        yield
+    finally:
+        os.close(fd)
+
+
+# Restores hold this shared from verification until the engine has read the image's weights;
+# a capture's publish takes it exclusively, so an image never changes under a restore.
+READ_LOCK_WAIT_S = 120.0
+
+
+@contextmanager
+def image_read_lock(image_dir: Path, *, exclusive: bool = False, timeout_s: float = READ_LOCK_WAIT_S) -> Iterator[None]:
+    lock_path = image_dir.parent / f".{image_dir.name}.readers.lock"
+    fd = _open_lock(lock_path)
+    try:
+        if not _flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH, timeout_s):
+            doing = "restores are still reading" if exclusive else "a capture is replacing"
+            raise ImageBusy(lock_path, f"{doing} {image_dir} (waited {timeout_s:g} s)")
         yield
     finally:
         os.close(fd)
@@ -141,9 +229,8 @@ def _rename_exchange(a: Path, b: Path) -> bool:
 def publish(staging: Path, image_dir: Path) -> None:
     """Make ``staging`` visible as ``image_dir`` in one rename; an older image is swapped out, then removed."""
     fsync_tree(staging)
-    if image_dir.exists() or image_dir.is_symlink():
-        if image_dir.is_symlink() or not image_dir.is_dir():
-            raise ImageError(f"{image_dir} exists and is not an image directory; refusing to replace it")
+    if os.path.lexists(image_dir):
+        require_replaceable(image_dir, force=True)
         if not _rename_exchange(staging, image_dir):
             old = image_dir.parent / f".{image_dir.name}.old-{os.getpid()}"
             os.rename(image_dir, old)
@@ -159,6 +246,18 @@ def publish(staging: Path, image_dir: Path) -> None:
         os.close(fd)
 
 
+def require_trust(image_dir: Path, manifest: Manifest) -> None:
+    """The paths a manifest names stay inside the image; the names it asks vsnap to create
+    elsewhere are plain file names (see _trust). Raises ImageUntrusted."""
+    for rel in manifest.files:
+        require_inside(rel, "manifest 'files'")
+    require_plain_names(manifest.shm_files, "manifest 'shm_files'")
+    for name in manifest.shm_files:
+        if f"{SHM_DIR}/{name}" not in manifest.files:
+            raise ImageUntrusted(name, "manifest 'shm_files' names a file the image does not list",
+                                 hint="the manifest was altered; capture the image again")
+
+
 def verify_files(image_dir: Path, manifest: Manifest, *, cache_root: Path | None = None,
                  rehash: bool = False) -> list[str]:
     """Every file the manifest lists is a regular file of the recorded size and sha256; no others exist.
@@ -167,12 +266,10 @@ def verify_files(image_dir: Path, manifest: Manifest, *, cache_root: Path | None
     _verified) are not hashed again unless ``rehash``, and the ones hashed now are remembered
     there. Returns the files that were hashed.
     """
+    require_trust(image_dir, manifest)
     listed = set(manifest.files)
-    for path in sorted(image_dir.rglob("*")):
-        rel = str(path.relative_to(image_dir))
-        if path.is_symlink():
-            raise ImageTampered(rel, "a regular file", "a symlink")
-        if path.is_file() and rel != MANIFEST and rel not in listed:
+    for rel in sorted(require_trusted_tree(image_dir)):
+        if rel != MANIFEST and rel not in listed:
             raise ImageTampered(rel, "no such file", "an unlisted file")
     known = verified.load(image_dir, cache_root) if cache_root is not None and not rehash else {}
     to_hash: dict[str, int] = {}

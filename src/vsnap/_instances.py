@@ -6,7 +6,11 @@ mount of a host directory, declared external to CRIU: the capture binds one dire
 each restore binds a fresh one (`<control_dir>.instances/<id>`). So any number of restores of one
 image run at once, each with its own files, PID namespace, GPU and port.
 
-Records of running instances live in RUNTIME_DIR/instances/<id>.json (`vsnap ps`, `vsnap stop`).
+Records of instances live in RUNTIME_DIR/instances/<id>.json (`vsnap ps`, `vsnap stop`). A record
+names processes by identity (PID, start time, boot), never by PID alone: a record whose process
+ended, or whose PID now belongs to another process, is "gone": shown once as such, then pruned,
+and never signalled. A restore registers its instance as "restoring" (owned by the restoring
+vsnap process) before CRIU runs, so `vsnap stop` sees it; it turns "serving" once the oracle passed.
 """
 
 from __future__ import annotations
@@ -17,13 +21,42 @@ import shutil
 import stat
 import time
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
 from .protocol import control
-from ._proctree import alive
+from ._proctree import ProcessIdentity, identify, is_same
+from ._shm import remove_instance_shm, shm_dir_of
 
 RUNTIME_DIR = Path(os.environ.get("VSNAP_RUNTIME_DIR", "/run/vsnap"))
+
+
+STOP_REQUEST = "stop.request"  # written into a restoring instance's directory by `vsnap stop`
+
+
+class ProcessRef(BaseModel):
+    """A recorded ProcessIdentity."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    pid: int
+    start_time: int
+    boot_id: str
+
+    @classmethod
+    def of(cls, identity: ProcessIdentity) -> "ProcessRef":
+        return cls(pid=identity.pid, start_time=identity.start_time, boot_id=identity.boot_id)
+
+    @property
+    def identity(self) -> ProcessIdentity:
+        return ProcessIdentity(self.pid, self.start_time, self.boot_id)
+
+
+def this_process() -> ProcessRef:
+    identity = identify(os.getpid())
+    assert identity is not None  # we are alive
+    return ProcessRef.of(identity)
 
 
 class InstanceRecord(BaseModel):
@@ -32,12 +65,26 @@ class InstanceRecord(BaseModel):
     id: str
     image: str
     name: str
-    pid: int
-    url: str
-    port: int
+    state: Literal["restoring", "serving"]
+    owner: ProcessRef                 # the vsnap process that restores (or restored) it
+    tree: ProcessRef | None = None    # the restored tree's root, once CRIU returned
+    url: str = ""
+    port: int = 0
     gpu: str | None = None
     instance_dir: str
     started_at: float
+
+    @property
+    def pid(self) -> int:
+        """The tree's root PID (the owner's while there is no tree yet)."""
+        return (self.tree or self.owner).pid
+
+    @property
+    def running(self) -> bool:
+        """The processes this record names are still those processes."""
+        if self.state == "serving":
+            return self.tree is not None and is_same(self.tree.identity)
+        return is_same(self.owner.identity) or (self.tree is not None and is_same(self.tree.identity))
 
 
 # A failed capture or restore keeps its directory (the logs its error names) this long.
@@ -85,23 +132,100 @@ def unregister(instance_id: str) -> None:
         pass
 
 
-def running_instances() -> list[InstanceRecord]:
-    """Records whose tree is alive; records of ended trees are removed on the way."""
+def instance_records() -> tuple[list[InstanceRecord], list[InstanceRecord]]:
+    """(running, gone): every record, checked against the processes it names. Gone records (ended,
+    PID reused) are removed on the way, as are records that no longer parse (another version's)."""
     directory = registry_dir()
-    records = []
+    running, gone = [], []
     for path in sorted(directory.glob("*.json")):
         try:
             record = control.read_message(directory, path.name, InstanceRecord)
-        except Exception:
-            continue
+        except control.ControlProtocolError:
+            record = None
+            if path.is_file() and not path.is_symlink():
+                path.unlink(missing_ok=True)  # ours (a root-only directory), unreadable: no process to act on
         if record is None:
             continue
-        if alive(record.pid):
-            records.append(record)
+        if record.running:
+            running.append(record)
         else:
+            gone.append(record)
             unregister(record.id)
-    return records
+            remove_instance_shm(shm_dir_of(record.id))  # its instance directory stays a while (logs)
+    return running, gone
+
+
+def running_instances() -> list[InstanceRecord]:
+    """Records whose processes are still the recorded ones."""
+    return instance_records()[0]
+
+
+def stop_requested(instance_dir: Path) -> bool:
+    return os.path.lexists(instance_dir / STOP_REQUEST)
+
+
+def request_stop(record: InstanceRecord) -> None:
+    """Ask the vsnap process that is restoring this instance to give up (it checks between phases)."""
+    control.write_atomic(Path(record.instance_dir), STOP_REQUEST, b"stop\n")
 
 
 def uptime(record: InstanceRecord) -> float:
     return time.time() - record.started_at
+
+
+class CaptureRecord(BaseModel):
+    """A capture in progress: what to remove if its vsnap process dies without cleaning up (a
+    staging directory full of process memory, the tree's /dev/shm directory)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    id: str
+    owner: ProcessRef
+    image: str
+    staging: str
+    shm_dir: str
+    started_at: float
+
+
+def captures_dir() -> Path:
+    return control.ensure_private_dir(RUNTIME_DIR / "captures")
+
+
+def register_capture(record: CaptureRecord) -> None:
+    control.write_message(captures_dir(), f"{record.id}.json", record)
+
+
+def unregister_capture(capture_id: str) -> None:
+    (captures_dir() / f"{capture_id}.json").unlink(missing_ok=True)
+
+
+def _remove_staging(record: CaptureRecord) -> None:
+    """A dead capture's staging directory, only if it is where and what a staging directory is."""
+    staging, image = Path(record.staging), Path(record.image)
+    if staging.parent != image.parent or not staging.name.startswith(f".{image.name}.staging-"):
+        return
+    try:
+        st = staging.lstat()
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid():
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def prune_dead_runs() -> list[str]:
+    """Remove what captures and restores whose vsnap process died left behind: staging
+    directories, /dev/shm directories, records. Returns the ids cleaned up."""
+    cleaned = [record.id for record in instance_records()[1]]
+    directory = captures_dir()
+    for path in sorted(directory.glob("*.json")):
+        try:
+            record = control.read_message(directory, path.name, CaptureRecord)
+        except control.ControlProtocolError:
+            continue
+        if record is None or is_same(record.owner.identity):
+            continue
+        _remove_staging(record)
+        remove_instance_shm(Path(record.shm_dir))
+        unregister_capture(record.id)
+        cleaned.append(record.id)
+    return cleaned

@@ -8,11 +8,12 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .protocol.control import LaunchConfig
-from .protocol.errors import ImageError, ImageFormatError
+from .protocol.control import PROTOCOL_VERSION, LaunchConfig
+from .protocol.errors import ImageError, ImageFormatError, ImageIncompatible
 from .protocol.oracle import Oracle
 
-FORMAT_VERSION = 1
+# 2: protocol_version and vsnap_version recorded; the launch settings are the manifest's own model
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 CRIU_DIR = "criu"
 SHM_DIR = "shm"
@@ -57,13 +58,35 @@ class HostFacts(_Frozen):
     gpus: list[dict[str, Any]] = Field(default_factory=list)
 
 
+class ImageLaunch(_Frozen):
+    """What the captured tree was launched with (the manifest's own copy, not a control message:
+    the control protocol may change without changing what an image says)."""
+
+    engine: str
+    model: str
+    served_model_name: str
+    serve_args: dict[str, Any] = Field(default_factory=dict)
+    oracle_prompts: list[str]
+    oracle_max_tokens: int
+    oracle_top_k: int
+    oracle_tolerance: float
+    timeout_s: float
+    weights_dir: str | None = None
+
+    @classmethod
+    def of(cls, launch: LaunchConfig) -> "ImageLaunch":
+        return cls(**launch.model_dump(include=set(cls.model_fields)))
+
+
 class Manifest(_Frozen):
     format_version: int
+    protocol_version: int              # the engine contract of the code inside the image (protocol.control)
+    vsnap_version: str                 # the vsnap that captured it
     created_at: str
     name: str
     engine: str
     spec: dict[str, Any]
-    launch: LaunchConfig
+    launch: ImageLaunch
     control_dir: str                   # the path the tree sees; each instance binds its own directory there
     control_mount_key: str             # the CRIU external key of that bind mount
     shm_mount_key: str                 # the key of the tree's /dev/shm (a per-instance directory too)
@@ -99,12 +122,26 @@ def read_manifest(image_dir: Path) -> Manifest:
     # The version first, from the raw document: another version may have other fields.
     version = raw.get("format_version") if isinstance(raw, dict) else None
     if isinstance(version, int) and version != FORMAT_VERSION:
-        raise ImageFormatError(f"{path} has format version {version}; this vsnap reads version {FORMAT_VERSION}",
-                               format_version=version, hint="use the vsnap that captured it, or capture again")
+        host = raw.get("host") if isinstance(raw.get("host"), dict) else {}
+        recorded = str(raw.get("vsnap_version") or host.get("vsnap") or "unknown")
+        error = ImageIncompatible("vsnap", f"{recorded} (image format {version})",
+                                  f"vsnap {_vsnap_version()} (image format {FORMAT_VERSION})")
+        error.format_version = version
+        raise error
     try:
-        return Manifest.model_validate_json(data)
+        manifest = Manifest.model_validate_json(data)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "document"
         raise ImageFormatError(f"{path} is malformed ({where}: {first['msg']})",
                                hint="the manifest was altered or truncated; capture again") from None
+    if manifest.protocol_version != PROTOCOL_VERSION:
+        raise ImageIncompatible("vsnap", f"{manifest.vsnap_version} (engine protocol {manifest.protocol_version})",
+                                f"vsnap {_vsnap_version()} (engine protocol {PROTOCOL_VERSION})")
+    return manifest
+
+
+def _vsnap_version() -> str:
+    from . import __version__
+
+    return __version__

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -30,6 +31,48 @@ def become_subreaper() -> None:
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
 
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+
+
+@dataclass(frozen=True)
+class ProcessIdentity:
+    """A process, not just a PID: the PID, its start time (clock ticks after boot, field 22 of
+    /proc/PID/stat) and the boot it belongs to. A PID that was reused has another start time."""
+
+    pid: int
+    start_time: int
+    boot_id: str
+
+
+def _boot_id() -> str:
+    try:
+        return BOOT_ID.read_text().strip()
+    except OSError:
+        return ""
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """Fields of /proc/PID/stat after the command (state is [0], ppid [1], start time [19])."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def identify(pid: int) -> ProcessIdentity | None:
+    """The identity of the live process ``pid`` now, or None if there is none (or a zombie)."""
+    fields = _stat_fields(pid)
+    if fields is None or fields[0] in ("Z", "X"):
+        return None
+    return ProcessIdentity(pid, int(fields[19]), _boot_id())
+
+
+def is_same(identity: ProcessIdentity) -> bool:
+    """True while the process that ``identity`` names is alive; False once it ended or its PID was reused."""
+    return identify(identity.pid) == identity
+
+
 def find_unshare() -> str:
     path = shutil.which("unshare")
     if not path:
@@ -39,10 +82,11 @@ def find_unshare() -> str:
 
 @dataclass
 class LaunchedTree:
-    """The `unshare` process and the host PID of the namespace's PID 1 (the engine root)."""
+    """The `unshare` process and the namespace's PID 1 (the engine root), by PID and identity."""
 
     unshare: subprocess.Popen[bytes]
     root_pid: int
+    identity: ProcessIdentity
 
 
 # Inside the new mount namespace (private propagation), bind the instance directory at the
@@ -72,8 +116,9 @@ def launch_tree(control_dir: Path, instance_dir: Path, shm_dir: Path, env: dict[
             children = psutil.Process(process.pid).children()
         except psutil.NoSuchProcess:
             children = []
-        if children:
-            return LaunchedTree(process, children[0].pid)
+        identity = identify(children[0].pid) if children else None
+        if identity is not None:
+            return LaunchedTree(process, identity.pid, identity)
         if process.poll() is not None:
             raise ProcessTreeError(process.pid, f"unshare exited with {process.returncode} before the engine started",
                                    phase="launch", log_path=log_path)
@@ -89,6 +134,38 @@ def tree_pids(root_pid: int) -> list[int]:
         return [root_pid] + [p.pid for p in root.children(recursive=True)]
     except psutil.NoSuchProcess:
         return []
+
+
+def _pidfd(identity: ProcessIdentity) -> int | None:
+    """A pidfd for exactly that process (opened, then the identity checked again), or None."""
+    try:
+        fd = os.pidfd_open(identity.pid)
+    except (ProcessLookupError, OSError):
+        return None
+    if not is_same(identity):  # the PID was reused between our check and the open
+        os.close(fd)
+        return None
+    return fd
+
+
+def _wait_pidfds(fds: dict[int, int], timeout_s: float) -> list[int]:
+    """Wait until the processes behind these pidfds (pid -> fd) exited; return the PIDs still running."""
+    deadline = time.monotonic() + timeout_s
+    left = dict(fds)
+    while left:
+        for pid in list(left):
+            reap(pid)
+        poller = select.poll()
+        for fd in left.values():
+            poller.register(fd, select.POLLIN)
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        for fd, _ in poller.poll(min(remaining, 0.05) * 1000):
+            pid = next(p for p, f in left.items() if f == fd)
+            reap(pid)
+            del left[pid]
+    return sorted(left)
 
 
 def alive(pid: int) -> bool:
@@ -117,26 +194,45 @@ def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
         time.sleep(0.02)
 
 
-def kill_tree(root_pid: int, *, grace_s: float = 0.0) -> None:
-    """End the whole namespace: SIGTERM and a grace period if asked, then SIGKILL to its PID 1."""
-    pids = tree_pids(root_pid)
-    if not pids:
-        reap(root_pid)
+def kill_tree(root: int | ProcessIdentity, *, grace_s: float = 0.0) -> None:
+    """End the whole namespace: SIGTERM and a grace period if asked, then SIGKILL to its PID 1.
+
+    Signals go through pidfds of the processes as identified (``root`` may be a PID of our own
+    child, which cannot be reused before we reap it, or a recorded identity): a process whose
+    PID was reused is never signalled. Waits are bounded.
+    """
+    identity = root if isinstance(root, ProcessIdentity) else identify(root)
+    pid = identity.pid if identity is not None else int(root)  # type: ignore[arg-type]
+    root_fd = _pidfd(identity) if identity is not None else None
+    if root_fd is None:
+        reap(pid)
         return
-    if grace_s > 0:
-        try:
-            os.kill(root_pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        pids = wait_gone(pids, grace_s)
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    survivors = wait_gone(pids, 10)
-    if survivors:
-        raise ProcessTreeError(survivors[0], f"processes {survivors} survived SIGKILL", phase="teardown")
+    fds = {pid: root_fd}
+    try:
+        if grace_s > 0:
+            try:
+                signal.pidfd_send_signal(root_fd, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            if not _wait_pidfds(fds, grace_s):
+                return
+        # descendants, each pinned by a pidfd while their root still holds them
+        for child in tree_pids(pid)[1:]:
+            child_identity = identify(child)
+            fd = _pidfd(child_identity) if child_identity is not None else None
+            if fd is not None:
+                fds[child] = fd
+        for fd in fds.values():
+            try:
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        survivors = _wait_pidfds(fds, 10)
+        if survivors:
+            raise ProcessTreeError(survivors[0], f"processes {survivors} survived SIGKILL", phase="teardown")
+    finally:
+        for fd in fds.values():
+            os.close(fd)
 
 
 def mapped_and_open_files(pids: list[int]) -> set[str]:

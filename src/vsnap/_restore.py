@@ -14,6 +14,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,16 +22,20 @@ from .protocol import control
 from .protocol.control import Activation, ErrorReport, Status
 from ._criu import CriuRunner, LazyPagesServer
 from ._criu_options import LazyPagesOptions, RestoreOptions
-from .protocol.errors import EngineError, HostNotReady, OracleMismatch, ProcessTreeError
+from .protocol.errors import (CheckpointError, EngineError, HostNotReady, OracleMismatch, ProcessTreeError,
+                              UnsupportedOption)
 from ._events import ProgressCallback, Timings
 from ._host import check_criu, check_root, require_host_matches
-from ._image import verify_files
+from ._cleanup import Cleanup
+from ._image import image_read_lock, verify_files
 from ._manifest import CRIU_DIR, ENGINE_LOG, SHM_DIR, WEIGHTS_DIR, Manifest, read_manifest
 from ._verified import VERIFIED_DIR
 from ._netns import NetnsHolder
-from ._instances import InstanceRecord, new_instance_dir, register, unregister
-from ._proctree import alive, become_subreaper, kill_tree, reap, tree_pids
-from ._shm import instance_shm_dir, put_back, remove_instance_shm
+from ._instances import (InstanceRecord, ProcessRef, new_instance_dir, prune_dead_runs, register, request_stop,
+                         running_instances, stop_requested, this_process, unregister)
+from ._proctree import ProcessIdentity, alive, become_subreaper, identify, is_same, kill_tree, reap, tree_pids
+from ._shm import instance_shm_dir, put_back, remove_instance_shm, shm_dir_of
+from ._trust import copy_no_follow, require_trusted_ancestors
 
 RESTORE_LOG = "restore.log"
 LAZY_PAGES_LOG = "lazy-pages.log"
@@ -53,11 +58,11 @@ class RestoredServer:
     hashed_files: int = 0  # image files hashed by this restore (the others were verified before, unchanged)
     heartbeat: control.OwnerHeartbeat | None = None
     lazy_pages: LazyPagesServer | None = None  # still sending the tree's memory, when restored lazily
+    identity: ProcessIdentity | None = None  # the tree's root, as restored (PID + start time)
 
     @property
     def url(self) -> str:
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else ("[::1]" if self.host == "::" else self.host)
-        return f"http://{host}:{self.port}"
+        return server_url(self.host, self.port)
 
     @property
     def engine_log(self) -> Path:
@@ -71,6 +76,15 @@ class RestoredServer:
         """Let the server outlive this process (otherwise it stops soon after this process dies)."""
         if self.heartbeat is not None:
             self.heartbeat.detach()
+
+
+def server_url(host: str, port: int) -> str:
+    """A URL a client can use: a wildcard address becomes loopback, IPv6 addresses are bracketed."""
+    if host in ("0.0.0.0", ""):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -170,6 +184,13 @@ def check_lazy_pages(runner: CriuRunner) -> None:
                            hint="restore without --lazy-pages")
 
 
+def _check_stop(work: Path) -> None:
+    """`vsnap stop` asked this restore to give up (it is checked between phases)."""
+    if stop_requested(work):
+        raise CheckpointError("stopped by `vsnap stop` while restoring", phase="restore",
+                              hint="nothing was left running; restore again when you want it")
+
+
 def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000, gpu: str | None = None,
                   rehash: bool = False, lazy_pages: bool = False,
                   on_event: ProgressCallback | None = None) -> RestoredServer:
@@ -180,59 +201,87 @@ def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000,
     enough free memory. ``rehash``: hash every image file even if this host verified it before.
     ``lazy_pages``: CRIU maps the tree's memory and a `criu lazy-pages` server fills it on first
     touch (then pushes the rest), so CRIU returns sooner.
+
+    Before anything runs, the image must pass the trust model (_trust: root's alone, every path
+    inside it) and its files must match the manifest; a shared lock on the image is held from
+    then until the engine has read the image's weights, so a capture cannot replace it meanwhile.
+    Every resource is released on every failure (_cleanup); the instance directory stays, with
+    the logs the error names.
     """
     image_dir = Path(image_dir).absolute()
     timings = Timings(on_event)
-    with timings.phase("verify image"):
-        check_root()
-        manifest = read_manifest(image_dir)
-        # Independent checks side by side (the GPU ones start the CUDA driver, which the CUDA
-        # restore needs anyway); the first failure in this order is the one reported.
-        with ThreadPoolExecutor(max_workers=5) as pool:
-            hashing = pool.submit(verify_files, image_dir, manifest, cache_root=VERIFIED_DIR, rehash=rehash)
-            checks = [pool.submit(check_criu), hashing,
-                      pool.submit(require_host_matches, manifest),
-                      pool.submit(check_port_free, host, port)]
-            if lazy_pages:
-                checks.append(pool.submit(check_lazy_pages, CriuRunner.locate()))
-            choosing = pool.submit(choose_gpu, manifest, gpu) if manifest.cuda_processes else None
-            for check in checks:
-                check.result()
-            target = choosing.result() if choosing is not None else None
-    control_dir = Path(manifest.control_dir)
-    weights_dir = image_dir / WEIGHTS_DIR
-    with timings.phase("prepare host"):
-        read_ahead(weights_dir)  # read while CRIU and CUDA restore; the engine streams it at recover
-        control.ensure_private_dir(control_dir)  # the mount point inside the tree
-        instance_id, work = new_instance_dir(control_dir, "r")
-        # CRIU reopens the log at its captured size and mode: put the captured log back.
-        shutil.copy2(image_dir / ENGINE_LOG, work / control.ENGINE_LOG)
-        if manifest.engine == "vllm":
-            (work / "rpc").mkdir(mode=0o700)
-        shm_dir = instance_shm_dir(instance_id)
-        put_back(image_dir / SHM_DIR, manifest.shm_files, shm_dir)
-        become_subreaper()
-    engine_log = work / control.ENGINE_LOG
-    externals = {**manifest.externals, manifest.control_mount_key: str(work), manifest.shm_mount_key: str(shm_dir)}
-    pid: int | None = None
-    restored_pid: list[int] = []
-    heartbeat = control.OwnerHeartbeat(work, while_alive=lambda: not restored_pid or alive(restored_pid[0]))
-    heartbeat.start()
-    netns: NetnsHolder | None = None
     lazy: LazyPagesServer | None = None
-    try:
+    with Cleanup() as cleanup, ExitStack() as reading:
+        with timings.phase("verify image"):
+            check_root()
+            require_trusted_ancestors(image_dir)
+            reading.enter_context(image_read_lock(image_dir))
+            manifest = read_manifest(image_dir)
+            if gpu is not None and not manifest.cuda_processes:
+                raise UnsupportedOption("--gpu", f"--gpu {gpu}: {image_dir} holds no CUDA state "
+                                                 f"(engine {manifest.engine}); there is no GPU to choose")
+            control_dir = Path(manifest.control_dir)
+            require_trusted_ancestors(control_dir)
+            # Independent checks side by side (the GPU ones start the CUDA driver, which the CUDA
+            # restore needs anyway); the first failure in this order is the one reported.
+            with ThreadPoolExecutor(max_workers=5) as pool:
+                hashing = pool.submit(verify_files, image_dir, manifest, cache_root=VERIFIED_DIR, rehash=rehash)
+                checks = [pool.submit(check_criu), hashing,
+                          pool.submit(require_host_matches, manifest),
+                          pool.submit(check_port_free, host, port)]
+                if lazy_pages:
+                    checks.append(pool.submit(check_lazy_pages, CriuRunner.locate()))
+                choosing = pool.submit(choose_gpu, manifest, gpu) if manifest.cuda_processes else None
+                for check in checks:
+                    check.result()
+                target = choosing.result() if choosing is not None else None
+        prune_dead_runs()
+        weights_dir = image_dir / WEIGHTS_DIR
+        with timings.phase("prepare host"):
+            read_ahead(weights_dir)  # read while CRIU and CUDA restore; the engine streams it at recover
+            control.ensure_private_dir(control_dir)  # the mount point inside the tree
+            instance_id, work = new_instance_dir(control_dir, "r")
+            record = InstanceRecord(id=instance_id, image=str(image_dir), name=manifest.name, state="restoring",
+                                    owner=this_process(), instance_dir=str(work), started_at=time.time())
+            register(record)  # `vsnap ps` and `vsnap stop` see it from now on
+            cleanup.on_failure(unregister, instance_id)
+            # CRIU reopens the log at its captured size and mode: put the captured log back.
+            copy_no_follow(image_dir / ENGINE_LOG, work / control.ENGINE_LOG)
+            if manifest.engine == "vllm":
+                (work / "rpc").mkdir(mode=0o700)
+            shm_dir = instance_shm_dir(instance_id)
+            cleanup.on_failure(remove_instance_shm, shm_dir)
+            put_back(image_dir / SHM_DIR, manifest.shm_files, shm_dir)
+            become_subreaper()
+        engine_log = work / control.ENGINE_LOG
+        externals = {**manifest.externals, manifest.control_mount_key: str(work), manifest.shm_mount_key: str(shm_dir)}
+        restored: list[ProcessIdentity] = []
+        heartbeat = control.OwnerHeartbeat(work, while_alive=lambda: not restored or is_same(restored[0]))
+        heartbeat.start()
+        cleanup.on_failure(heartbeat.stop)
+        _check_stop(work)
         with timings.phase("criu restore"):
             netns = NetnsHolder()
+            cleanup.on_exit(netns.close)
             runner = CriuRunner.locate()
             if lazy_pages:
                 lazy = runner.start_lazy_pages(LazyPagesOptions(
                     images_dir=image_dir / CRIU_DIR, work_dir=work, log_file=work / LAZY_PAGES_LOG))
+                cleanup.on_failure(lazy.kill)
             pid = runner.restore(RestoreOptions(
                 images_dir=image_dir / CRIU_DIR, work_dir=work, log_file=work / RESTORE_LOG,
                 pidfile=work / RESTORE_PID, externals=externals, inherit_fds={int(netns.fd or -1): manifest.netns_key},
                 lazy_pages=lazy_pages))
-            restored_pid.append(pid)
+            identity = identify(pid)  # our child (we are its subreaper): its PID cannot be reused yet
+            if identity is None:
+                reap(pid)
+                raise EngineError("criu restore", "EngineExited", "the restored tree exited at once", log_path=engine_log)
+            restored.append(identity)
+            cleanup.on_failure(kill_tree, identity)
+            record = record.model_copy(update={"tree": ProcessRef.of(identity)})
+            register(record)
             netns.close()  # the restored tree keeps the namespace alive
+        _check_stop(work)
         if manifest.cuda_processes:
             from ._cuda import CudaCheckpoint
 
@@ -245,30 +294,25 @@ def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000,
                 captured = manifest.host.gpus[0]["uuid"] if manifest.host.gpus else None
                 pairs = [(captured, target["uuid"])] if target and captured and target["uuid"] != captured else []
                 cuda.restore(cuda_pids, gpu_pairs=pairs)
+            _check_stop(work)
         with timings.phase("recover"):
             control.write_message(work, control.ACTIVATION, Activation(
-                host=host, port=port, weights_dir=str(weights_dir) if weights_dir.is_dir() else None))
+                host=host, port=port, weights_dir=str(weights_dir) if weights_dir.is_dir() else None,
+                **control.stamp()))
             validated = _wait_status(work, pid, ("validated",), "recover", engine_log)
+        reading.close()  # the engine has read the image's weights: a capture may replace it now
+        _check_stop(work)
         with timings.phase("serve"):
             started = time.monotonic()
             serving = hand_over_listener(work, pid, host, port, engine_log)
             handed_over = time.monotonic()
             server = RestoredServer(pid, host, int(serving.detail.get("port", port)), image_dir, instance_id, work,
-                                    gpu=target["uuid"] if target else None)
+                                    gpu=target["uuid"] if target else None, identity=identity)
             health_check(server.url)
             serve_split = {"socket_handoff_s": handed_over - started, "http_start_s": time.monotonic() - handed_over}
-    except BaseException:
-        heartbeat.stop()
-        if netns is not None:
-            netns.close()
-        if pid is not None:
-            kill_tree(pid)
-        if lazy is not None:
-            lazy.kill()
-        remove_instance_shm(shm_dir)
-        raise  # the instance directory stays, with the logs the error names
-    register(InstanceRecord(id=instance_id, image=str(image_dir), name=manifest.name, pid=pid, url=server.url,
-                            port=server.port, gpu=server.gpu, instance_dir=str(work), started_at=time.time()))
+        _check_stop(work)
+        register(record.model_copy(update={"state": "serving", "url": server.url, "port": server.port,
+                                           "gpu": server.gpu}))
     server.heartbeat = heartbeat
     server.lazy_pages = lazy
     server.timings = dict(timings.seconds)
@@ -282,24 +326,57 @@ def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000,
     return server
 
 
+STOP_WAIT_S = 60.0
+
+
 def stop_server(server: RestoredServer | InstanceRecord, grace_s: float = 10.0) -> None:
     """Stop a restored instance: SIGTERM to its root (it shuts the server down), then SIGKILL.
 
-    A cleanly stopped instance's directory is removed with its record.
+    Only the recorded processes are signalled (by identity, through pidfds): a record whose
+    process is gone or whose PID was reused is only removed. An instance still being restored is
+    asked to give up (its restore checks between phases and tears everything down); if its vsnap
+    process does not within STOP_WAIT_S, that process and the tree are ended. A cleanly stopped
+    instance's directory is removed with its record.
     """
     if isinstance(server, RestoredServer):
         if server.heartbeat is not None:
             server.heartbeat.stop()
-        pid, instance_id, work = server.pid, server.instance_id, server.instance_dir
+        identity, instance_id, work = server.identity, server.instance_id, server.instance_dir
     else:
-        pid, instance_id, work = server.pid, server.id, Path(server.instance_dir)
-    kill_tree(pid, grace_s=grace_s)
-    reap(pid)
+        if Path(server.instance_dir).name != server.id:
+            raise ProcessTreeError(None, f"the record of {server.id} names another directory ({server.instance_dir})",
+                                   phase="stop")
+        if server.state == "restoring":
+            _stop_restoring(server)
+            return
+        identity = server.tree.identity if server.tree else None
+        instance_id, work = server.id, Path(server.instance_dir)
+    if identity is not None:
+        kill_tree(identity, grace_s=grace_s)
+        reap(identity.pid)
     if isinstance(server, RestoredServer) and server.lazy_pages is not None:
         server.lazy_pages.kill()  # it ends by itself once the tree is gone; never left behind
     unregister(instance_id)
     shutil.rmtree(work, ignore_errors=True)
-    remove_instance_shm(instance_shm_dir(instance_id))
+    remove_instance_shm(shm_dir_of(instance_id))
+
+
+def _stop_restoring(record: InstanceRecord) -> None:
+    request_stop(record)
+    deadline = time.monotonic() + STOP_WAIT_S
+    while time.monotonic() < deadline:
+        now = next((r for r in running_instances() if r.id == record.id), None)
+        if now is None:
+            return  # the restore gave up and cleaned up
+        if now.state == "serving":
+            stop_server(now)  # it finished before it saw the request
+            return
+        time.sleep(0.05)
+    kill_tree(record.owner.identity, grace_s=5)  # a stuck restore: end it, then what it restored
+    if record.tree is not None:
+        kill_tree(record.tree.identity)
+    unregister(record.id)
+    remove_instance_shm(shm_dir_of(record.id))
 
 
 def choose_gpu(manifest: Manifest, requested: str | None) -> dict:

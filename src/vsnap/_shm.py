@@ -11,16 +11,33 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 from pathlib import Path
+
+from ._trust import copy_no_follow
 
 SHM = Path("/dev/shm")
 
 
+def shm_dir_of(instance_id: str) -> Path:
+    return SHM / f"vsnap-{instance_id}"
+
+
 def instance_shm_dir(instance_id: str) -> Path:
-    path = SHM / f"vsnap-{instance_id}"
-    path.mkdir(mode=0o700, exist_ok=True)
-    os.chmod(path, 0o700)
+    """A new private directory for one tree; never one that exists already (anyone can write /dev/shm)."""
+    path = shm_dir_of(instance_id)
+    os.mkdir(path, 0o700)  # FileExistsError rather than adopting what someone else put there
     return path
+
+
+def _ours(directory: Path) -> bool:
+    """A directory vsnap made for a tree: a real directory named vsnap-*, in /dev/shm, root's, private."""
+    try:
+        st = os.lstat(directory)
+    except FileNotFoundError:
+        return False
+    return (directory.parent == SHM and directory.name.startswith("vsnap-") and stat.S_ISDIR(st.st_mode)
+            and st.st_uid == os.geteuid() and not st.st_mode & 0o077)
 
 
 def link_remap_files(directory: Path) -> list[str]:
@@ -28,10 +45,12 @@ def link_remap_files(directory: Path) -> list[str]:
 
 
 def put_back(saved_dir: Path, names: list[str], directory: Path) -> None:
+    """Copy the saved link-remap files into a fresh tree directory (plain names, no link followed)."""
     for name in names:
-        shutil.copy2(saved_dir / name, directory / name)
+        copy_no_follow(saved_dir / name, directory / name)
 
 
 def remove_instance_shm(directory: Path) -> None:
-    if directory.parent == SHM and directory.name.startswith("vsnap-"):
+    """Remove a tree's /dev/shm directory, and nothing that vsnap did not make (see _ours)."""
+    if _ours(directory):
         shutil.rmtree(directory, ignore_errors=True)

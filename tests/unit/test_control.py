@@ -14,8 +14,9 @@ def ctl(tmp_path: Path) -> Path:
 
 
 def test_roundtrip_is_atomic_and_private(ctl: Path) -> None:
-    control.write_message(ctl, control.ACTIVATION, Activation(host="127.0.0.1", port=8000))
-    assert control.read_message(ctl, control.ACTIVATION, Activation) == Activation(host="127.0.0.1", port=8000)
+    control.write_message(ctl, control.ACTIVATION, Activation(host="127.0.0.1", port=8000, **control.stamp()))
+    assert control.read_message(ctl, control.ACTIVATION, Activation) == \
+        Activation(host="127.0.0.1", port=8000, **control.stamp())
     assert (ctl / control.ACTIVATION).stat().st_mode & 0o777 == 0o600
     assert [p.name for p in ctl.iterdir()] == [control.ACTIVATION]  # no temp file left
     assert control.read_message(ctl, control.STATUS, Status) is None
@@ -129,3 +130,13 @@ def test_owner_heartbeat(ctl: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert "silent" in (control.owner_gone(ctl, now=later) or "")
     beat.detach()
     assert control.owner_gone(ctl, now=later) is None
+
+
+def test_a_message_of_another_protocol_is_refused_naming_both_versions(tmp_path: Path) -> None:
+    ctl = control.ensure_private_dir(tmp_path / "ctl")
+    control.write_atomic(ctl, control.ACTIVATION, b'{"host": "127.0.0.1", "port": 1, "protocol": 1, "vsnap": "0.1.0"}')
+    with pytest.raises(ControlProtocolError, match=r"vsnap 0\.1\.0 \(protocol 1\).*protocol 2"):
+        control.read_message(ctl, control.ACTIVATION, Activation)
+    control.write_atomic(ctl, control.ACTIVATION, b'{"host": "127.0.0.1", "port": 1}')  # before versions existed
+    with pytest.raises(ControlProtocolError, match=r"protocol 1\)"):
+        control.read_message(ctl, control.ACTIVATION, Activation)

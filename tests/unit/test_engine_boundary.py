@@ -17,6 +17,7 @@ import vsnap
 
 PACKAGE = Path(vsnap.__file__).parent
 ALLOWED = ("vsnap.protocol", "vsnap.engine")
+ALLOWED_NAMES = ("vsnap", "vsnap.__version__")  # the package itself is lazy: importing it loads nothing
 ORCHESTRATOR_ONLY = ("psutil", "yaml", "rich", "typer")
 
 
@@ -43,7 +44,7 @@ def test_engine_and_protocol_import_nothing_else_of_vsnap() -> None:
     for side in ("engine", "protocol"):
         for path in sorted((PACKAGE / side).rglob("*.py")):
             for line, module in absolute_imports(path):
-                if module != "vsnap" and not module.startswith(ALLOWED):
+                if module not in ALLOWED_NAMES and not module.startswith(ALLOWED):
                     offenders.append(f"{path.relative_to(PACKAGE)}:{line} imports {module}")
                 if side == "protocol" and module.startswith("vsnap.engine"):
                     offenders.append(f"{path.relative_to(PACKAGE)}:{line} imports {module}")

@@ -13,11 +13,13 @@ def test_publish_new_and_replace(tmp_path: Path) -> None:
     image = parent / "img"
     first = make_staging(image)
     (first / "a").write_text("one")
+    (first / "manifest.json").write_text('{"format_version": 2, "files": {}}')
     publish(first, image)
     assert (image / "a").read_text() == "one"
     assert image.stat().st_mode & 0o777 == 0o700 and (image / "a").stat().st_mode & 0o777 == 0o600
     second = make_staging(image)
     (second / "a").write_text("two")
+    (second / "manifest.json").write_text('{"format_version": 2, "files": {}}')
     publish(second, image)
     assert (image / "a").read_text() == "two"
     assert sorted(p.name for p in parent.iterdir()) == ["img"]  # the old image and staging are gone
@@ -27,7 +29,7 @@ def test_publish_refuses_to_replace_non_image(tmp_path: Path) -> None:
     image = tmp_path / "img"
     image.write_text("a file")
     staging = make_staging(image)
-    with pytest.raises(ImageError, match="not an image directory"):
+    with pytest.raises(ImageError, match="is not a directory"):
         publish(staging, image)
     assert image.read_text() == "a file"
 
@@ -36,7 +38,7 @@ def test_parent_writable_by_others_refused(tmp_path: Path) -> None:
     shared = tmp_path / "shared"
     shared.mkdir()
     os.chmod(shared, 0o777)
-    with pytest.raises(ImageError, match="writable by group or others"):
+    with pytest.raises(ImageError, match="group or others can write it"):
         check_parent(shared / "img")
 
 
@@ -66,10 +68,15 @@ def test_manifest_of_another_format_version_is_named(tmp_path: Path) -> None:
 
     image = tmp_path / "img"
     image.mkdir()
-    (image / "manifest.json").write_text('{"format_version": 2, "layout": "something new"}')
-    with pytest.raises(ImageFormatError, match="has format version 2; this vsnap reads version 1") as info:
+    (image / "manifest.json").write_text('{"format_version": 3, "vsnap_version": "9.0", "layout": "something new"}')
+    with pytest.raises(ImageFormatError, match=r"captured by vsnap 9\.0 \(image format 3\); this vsnap speaks "
+                                               r"vsnap .* \(image format 2\)") as info:
         read_manifest(image)
-    assert info.value.format_version == 2
-    (image / "manifest.json").write_text('{"format_version": 1, "name": 5}')
+    assert info.value.format_version == 3
+    # an image of the first format names the vsnap that wrote it from its host facts
+    (image / "manifest.json").write_text('{"format_version": 1, "host": {"vsnap": "0.1.0"}}')
+    with pytest.raises(ImageFormatError, match=r"vsnap 0\.1\.0 \(image format 1\)"):
+        read_manifest(image)
+    (image / "manifest.json").write_text('{"format_version": 2, "name": 5}')
     with pytest.raises(ImageFormatError, match="is malformed"):
         read_manifest(image)

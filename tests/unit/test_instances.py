@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from vsnap import _instances
-from vsnap._instances import InstanceRecord, new_instance_dir, register
+from vsnap._instances import InstanceRecord, new_instance_dir, register, this_process
 
 
 def test_failed_runs_are_pruned_after_a_while(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -22,8 +22,41 @@ def test_failed_runs_are_pruned_after_a_while(tmp_path: Path, monkeypatch: pytes
     long_ago = time.time() - _instances.KEEP_FAILED_S - 60
     for directory in (old_failed, old_running):
         os.utime(directory, (long_ago, long_ago))
-    register(InstanceRecord(id="r-running", image="/i", name="n", pid=os.getpid(), url="http://x", port=1,
+    register(InstanceRecord(id="r-running", image="/i", name="n", state="restoring", owner=this_process(),
                             instance_dir=str(old_running), started_at=long_ago))
     instance_id, fresh = new_instance_dir(control_dir, "r")
     assert sorted(p.name for p in root.iterdir()) == sorted(["r-running", "r-recent", instance_id])
     assert fresh.is_dir()
+
+
+def test_a_record_whose_pid_was_reused_is_gone_and_never_signalled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The record names a process by PID and start time: the same PID with another start time is another process."""
+    import subprocess
+
+    from vsnap._instances import ProcessRef, instance_records, running_instances
+    from vsnap._restore import stop_server
+
+    monkeypatch.setattr(_instances, "RUNTIME_DIR", tmp_path / "run")
+    bystander = subprocess.Popen(["sleep", "60"])  # an unrelated process that now holds the recorded PID
+    try:
+        me = this_process()
+        real = ProcessRef(pid=bystander.pid, start_time=_instances.identify(bystander.pid).start_time, boot_id=me.boot_id)
+        reused = real.model_copy(update={"start_time": real.start_time - 1})  # the instance's tree started earlier
+        directory = tmp_path / "ctl.instances" / "r-dead"
+        directory.mkdir(parents=True)
+        record = InstanceRecord(id="r-dead", image="/i", name="n", state="serving", owner=me, tree=reused,
+                                url="http://x", port=1, instance_dir=str(directory), started_at=time.time())
+        register(record)
+        assert not record.running
+        stop_server(record)  # must not touch the bystander
+        assert bystander.poll() is None
+        register(record)
+        running, gone = instance_records()
+        assert running == [] and [r.id for r in gone] == ["r-dead"]
+        assert running_instances() == []  # pruned
+        assert list((tmp_path / "run" / "instances").iterdir()) == []
+        live = record.model_copy(update={"tree": real})
+        assert live.running  # the check can tell the difference
+    finally:
+        bystander.kill()
+        bystander.wait()

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from vsnap.protocol.errors import ImageTampered
+from vsnap.protocol.errors import ImageTampered, ImageUntrusted
 from vsnap._image import checksum_tree, verify_files
 
 
@@ -16,9 +16,9 @@ def _image(tmp_path: Path) -> tuple[Path, SimpleNamespace]:
     (image / "criu" / "pages-1.img").write_bytes(os.urandom(3000))
     (image / "weights").mkdir()
     (image / "weights" / "rank0.bin").write_bytes(os.urandom(5000))
-    for path in image.rglob("*"):
+    for path in [image, *image.rglob("*")]:
         os.chmod(path, 0o700 if path.is_dir() else 0o600)
-    return image, SimpleNamespace(files=checksum_tree(image))
+    return image, SimpleNamespace(files=checksum_tree(image), shm_files=[])
 
 
 def test_unchanged_files_are_not_hashed_twice(tmp_path: Path) -> None:
@@ -43,12 +43,13 @@ def test_a_write_that_keeps_size_and_mtime_is_still_caught(tmp_path: Path) -> No
     assert not list(cache.iterdir())  # the record is dropped with the failure
 
 
-def test_files_writable_by_others_are_always_hashed(tmp_path: Path) -> None:
+def test_files_writable_by_others_are_refused_before_any_hashing(tmp_path: Path) -> None:
     image, manifest = _image(tmp_path)
     cache = tmp_path / "verified"
-    os.chmod(image / "criu" / "pages-1.img", 0o666)
     verify_files(image, manifest, cache_root=cache)
-    assert verify_files(image, manifest, cache_root=cache) == ["criu/pages-1.img"]
+    os.chmod(image / "criu" / "pages-1.img", 0o666)  # once others can write it, no record vouches for it
+    with pytest.raises(ImageUntrusted, match="pages-1.img: a file of the image has mode 0666"):
+        verify_files(image, manifest, cache_root=cache)
 
 
 def test_a_record_others_could_write_is_ignored(tmp_path: Path) -> None:

@@ -78,7 +78,7 @@ async def run_engine(control_dir: Path) -> None:
         release_heap()  # freed memory would otherwise be written into the image
         times["prepared"] = time.time()
         phase = "capture barrier"
-        control.write_message(control_dir, control.READY, Ready(pid=os.getpid(), oracle=oracle, times=times))
+        control.write_message(control_dir, control.READY, Ready(pid=os.getpid(), oracle=oracle, times=times, **control.stamp()))
         activation = await wait_for_activation(control_dir, launch.timeout_s)
         # From here on the tree may have been restored: wall-clock times only.
         phase = "recover"

@@ -52,12 +52,47 @@ OWNER_TIMEOUT_S = 10.0
 # clock starts elsewhere), and such a jump must not expire the wait.
 MAX_COUNTED_STEP_S = 1.0
 
+# The engine contract: the CLI and the engine code frozen inside an image must speak the same
+# version of these messages. Raise it on any change of their meaning; the manifest records it,
+# and a restore refuses an image of another version before CRIU runs.
+PROTOCOL_VERSION = 2
+
 
 class _Message(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class LaunchConfig(_Message):
+def _vsnap_version() -> str:
+    from .. import __version__
+
+    return __version__
+
+
+class _Versioned(_Message):
+    """A message that says which contract, and which vsnap, wrote it: build it with ``**stamp()``.
+    read_message refuses one of another protocol version, naming both sides."""
+
+    protocol: int
+    vsnap: str
+
+
+def stamp() -> dict[str, Any]:
+    """The version fields every versioned message carries."""
+    return {"protocol": PROTOCOL_VERSION, "vsnap": _vsnap_version()}
+
+
+def _require_protocol(data: bytes, path: Path) -> None:
+    try:
+        raw = json.loads(data)
+    except ValueError:
+        return  # malformed: model validation says so
+    if isinstance(raw, dict) and raw.get("protocol") != PROTOCOL_VERSION:
+        raise ControlProtocolError(path, f"written by vsnap {raw.get('vsnap', 'older than 0.2')} (protocol "
+                                         f"{raw.get('protocol', 1)}); this side is vsnap {_vsnap_version()} "
+                                         f"(protocol {PROTOCOL_VERSION})")
+
+
+class LaunchConfig(_Versioned):
     """Everything the engine tree needs to build its engine; written once before launch."""
 
     engine: Literal["cpu", "vllm"]
@@ -75,13 +110,13 @@ class LaunchConfig(_Message):
     weights_dir: str | None = None
 
 
-class Ready(_Message):
+class Ready(_Versioned):
     pid: int
     oracle: Oracle
     times: dict[str, float] = Field(default_factory=dict)
 
 
-class Activation(_Message):
+class Activation(_Versioned):
     host: str
     port: int = Field(ge=0, le=65535)
     weights_dir: str | None = None  # the image's weights file directory, when it has one
@@ -194,6 +229,8 @@ def read_message(directory: Path, name: str, model: type[M]) -> M | None:
     data = read_bytes(directory, name)
     if data is None:
         return None
+    if issubclass(model, _Versioned):
+        _require_protocol(data, directory / name)
     try:
         return model.model_validate_json(data)
     except ValidationError as exc:

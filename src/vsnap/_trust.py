@@ -1,0 +1,120 @@
+"""The image trust model: what root may act on, checked before anything runs.
+
+An image holds process memory that root will run, and paths that root will write to. So root
+restores, validates or replaces only what no one else could have chosen:
+
+* the image directory, every file and directory in it, and every ancestor of it are owned by
+  root (this process's user) and not writable by group or others (a root-owned sticky directory
+  such as /tmp may be an ancestor: others cannot rename or remove what root put there);
+* nothing in the image is a symlink, a device, a FIFO or a socket;
+* every path the manifest names is a plain relative path inside the image (no `..`, no absolute
+  path, no empty part) and every name it asks vsnap to create elsewhere is one plain file name;
+* the directories vsnap writes into (the control directory and its instances) have trusted
+  ancestors too, and are created without following links.
+
+Each refusal is one ImageUntrusted line naming the path and the reason.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path, PurePosixPath
+from typing import Iterable
+
+from .protocol.errors import ImageUntrusted
+
+
+def _owner_and_mode(path: Path, st: os.stat_result, what: str) -> None:
+    if st.st_uid != os.geteuid():
+        raise ImageUntrusted(path, f"{what} is owned by uid {st.st_uid}, not by root (uid {os.geteuid()})")
+    sticky_root_dir = stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX
+    if st.st_mode & 0o022 and not sticky_root_dir:
+        raise ImageUntrusted(path, f"{what} has mode {stat.S_IMODE(st.st_mode):04o}: group or others can write it")
+
+
+def require_trusted_ancestors(path: Path) -> None:
+    """Every directory above ``path`` (and the real directories behind any link among them) is root's.
+
+    Links among the ancestors are allowed only when root owns them (such as /var/run -> /run).
+    """
+    path = Path(os.path.abspath(path))
+    for ancestor in reversed(path.parents):
+        try:
+            st = os.lstat(ancestor)
+        except FileNotFoundError:
+            return  # created by vsnap from here down, privately
+        if stat.S_ISLNK(st.st_mode):
+            if st.st_uid != os.geteuid():
+                raise ImageUntrusted(ancestor, f"is a symlink owned by uid {st.st_uid}; vsnap follows only root's links")
+            require_trusted_ancestors(Path(os.path.realpath(ancestor)) / "x")
+            continue
+        _owner_and_mode(ancestor, st, "a parent directory")
+
+
+def require_trusted_tree(root: Path) -> list[str]:
+    """The image directory and everything in it: real directories and regular files, root's, not
+    group/other-writable. Returns the files found (relative paths), for the manifest comparison."""
+    require_trusted_ancestors(root)
+    try:
+        st = os.lstat(root)
+    except FileNotFoundError:
+        raise ImageUntrusted(root, "does not exist", hint="capture an image with `vsnap capture SPEC`") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise ImageUntrusted(root, "is a symlink; an image directory must be a real directory")
+    if not stat.S_ISDIR(st.st_mode):
+        raise ImageUntrusted(root, "is not a directory")
+    _owner_and_mode(root, st, "the image directory")
+    files: list[str] = []
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        for name in dirnames + filenames:
+            path = Path(dirpath) / name
+            entry = os.lstat(path)
+            rel = str(path.relative_to(root))
+            if stat.S_ISLNK(entry.st_mode):
+                raise ImageUntrusted(path, "is a symlink; nothing in an image may be a link")
+            if stat.S_ISDIR(entry.st_mode):
+                _owner_and_mode(path, entry, "a directory of the image")
+            elif stat.S_ISREG(entry.st_mode):
+                _owner_and_mode(path, entry, "a file of the image")
+                files.append(rel)
+            else:
+                raise ImageUntrusted(path, "is not a regular file or directory")
+    return files
+
+
+def require_inside(rel: str, what: str) -> str:
+    """``rel`` is a plain relative path that stays inside the image."""
+    pure = PurePosixPath(rel)
+    if not rel or rel.startswith("/") or pure.is_absolute() or any(part in ("", ".", "..") for part in rel.split("/")) \
+            or "\0" in rel:
+        raise ImageUntrusted(rel, f"{what} names a path outside the image (only plain relative paths are allowed)",
+                             hint="the manifest was altered; capture the image again")
+    return rel
+
+
+def require_plain_names(names: Iterable[str], what: str) -> None:
+    """Each name is one file name: no directory part, no `..`."""
+    for name in names:
+        if not name or "/" in name or name in (".", "..") or "\0" in name:
+            raise ImageUntrusted(name, f"{what} must be plain file names",
+                                 hint="the manifest was altered; capture the image again")
+
+
+def copy_no_follow(source: Path, destination: Path) -> None:
+    """Copy a regular file, following no link on either side; the destination must not exist."""
+    src = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(src)
+        if not stat.S_ISREG(st.st_mode):
+            raise ImageUntrusted(source, "is not a regular file")
+        dst = os.open(destination, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                      stat.S_IMODE(st.st_mode) & 0o700)
+        try:
+            while os.sendfile(dst, src, None, 1 << 30):
+                pass
+            os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
+        finally:
+            os.close(dst)
+    finally:
+        os.close(src)

@@ -1,0 +1,151 @@
+"""The image trust model (_trust, _image): what root refuses to act on, each in one line."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from vsnap._image import image_lock, image_read_lock, require_replaceable, require_trust
+from vsnap._trust import copy_no_follow, require_inside, require_plain_names, require_trusted_ancestors, \
+    require_trusted_tree
+from vsnap.protocol.errors import ImageBusy, ImageError, ImageUntrusted
+
+NOBODY = 65534
+
+
+def make_image(root: Path) -> Path:
+    image = root / "images" / "img"
+    (image / "criu").mkdir(parents=True, mode=0o700)
+    os.chmod(image.parent, 0o700)
+    os.chmod(image, 0o700)
+    (image / "criu" / "pages-1.img").write_bytes(b"x" * 10)
+    (image / "manifest.json").write_text('{"format_version": 2, "files": {}}')
+    return image
+
+
+def test_a_root_owned_private_image_is_trusted(tmp_path: Path) -> None:
+    image = make_image(tmp_path)
+    assert sorted(require_trusted_tree(image)) == ["criu/pages-1.img", "manifest.json"]
+
+
+def test_an_image_owned_by_another_user_is_refused(tmp_path: Path) -> None:
+    image = make_image(tmp_path)
+    for path in [image, image / "criu", image / "criu" / "pages-1.img"]:
+        os.chown(path, NOBODY, NOBODY)
+    with pytest.raises(ImageUntrusted, match=r"img: the image directory is owned by uid 65534, not by root"):
+        require_trusted_tree(image)
+    os.chown(image, 0, 0)  # only a file inside is foreign: still refused, naming it
+    with pytest.raises(ImageUntrusted, match=r"criu: a directory of the image is owned by uid 65534"):
+        require_trusted_tree(image)
+
+
+def test_a_group_writable_file_or_a_link_inside_is_refused(tmp_path: Path) -> None:
+    image = make_image(tmp_path)
+    os.chmod(image / "criu" / "pages-1.img", 0o620)
+    with pytest.raises(ImageUntrusted, match=r"pages-1.img: a file of the image has mode 0620"):
+        require_trusted_tree(image)
+    os.chmod(image / "criu" / "pages-1.img", 0o600)
+    (image / "criu" / "evil").symlink_to("/etc/shadow")
+    with pytest.raises(ImageUntrusted, match=r"evil: is a symlink"):
+        require_trusted_tree(image)
+
+
+def test_an_ancestor_others_can_write_is_refused_but_a_sticky_one_is_not(tmp_path: Path) -> None:
+    image = make_image(tmp_path)
+    os.chmod(tmp_path, 0o777)
+    with pytest.raises(ImageUntrusted, match=r"a parent directory has mode 0777"):
+        require_trusted_tree(image)
+    os.chmod(tmp_path, 0o1777)  # like /tmp
+    require_trusted_tree(image)
+    os.chmod(tmp_path, 0o700)
+    os.chown(image.parent, NOBODY, NOBODY)
+    with pytest.raises(ImageUntrusted, match=r"images: a parent directory is owned by uid 65534"):
+        require_trusted_ancestors(image)
+
+
+def test_a_link_among_the_ancestors_counts_only_if_root_made_it(tmp_path: Path) -> None:
+    image = make_image(tmp_path)
+    link = tmp_path / "via"
+    link.symlink_to(image.parent)
+    require_trusted_ancestors(link / "img")
+    os.lchown(link, NOBODY, NOBODY)
+    with pytest.raises(ImageUntrusted, match=r"via: is a symlink owned by uid 65534"):
+        require_trusted_ancestors(link / "img")
+
+
+@pytest.mark.parametrize("rel", ["../../etc/passwd", "/etc/passwd", "criu/../../x", "criu//x", "./x", ""])
+def test_manifest_paths_must_stay_inside_the_image(rel: str) -> None:
+    with pytest.raises(ImageUntrusted, match="outside the image"):
+        require_inside(rel, "manifest 'files'")
+
+
+def test_names_vsnap_creates_elsewhere_are_plain() -> None:
+    require_plain_names(["link_remap.3"], "shm_files")
+    for bad in ["../../../root/.ssh/authorized_keys", "a/b", "..", ""]:
+        with pytest.raises(ImageUntrusted, match="plain file names"):
+            require_plain_names([bad], "manifest 'shm_files'")
+
+
+def test_shm_files_must_be_files_of_the_image(tmp_path: Path) -> None:
+    from vsnap._manifest import Manifest
+
+    manifest = Manifest.model_construct(files={}, shm_files=["link_remap.1"])
+    with pytest.raises(ImageUntrusted, match="names a file the image does not list"):
+        require_trust(tmp_path, manifest)
+
+
+def test_force_replaces_only_a_vsnap_image_and_never_a_link(tmp_path: Path) -> None:
+    ordinary = tmp_path / "data"
+    ordinary.mkdir()
+    (ordinary / "precious").write_text("keep me")
+    with pytest.raises(ImageError, match="already exists"):
+        require_replaceable(ordinary, force=False)
+    with pytest.raises(ImageError, match=r"is not a vsnap image .*--force replaces only images"):
+        require_replaceable(ordinary, force=True)
+    assert (ordinary / "precious").read_text() == "keep me"
+    link = tmp_path / "link"
+    link.symlink_to(make_image(tmp_path))
+    with pytest.raises(ImageUntrusted, match="is a symlink; vsnap never replaces or follows one"):
+        require_replaceable(link, force=True)
+    require_replaceable(tmp_path / "images" / "img", force=True)
+    require_replaceable(tmp_path / "nothing-there", force=False)
+
+
+def test_a_link_planted_at_a_lock_is_one_clear_error(tmp_path: Path) -> None:
+    image = tmp_path / "img"
+    target = tmp_path / "elsewhere"
+    (tmp_path / ".img.lock").symlink_to(target)
+    with pytest.raises(ImageUntrusted, match=r"\.img\.lock: is a symlink; vsnap never follows a link at its lock"):
+        with image_lock(image):
+            pass
+    assert not target.exists()
+
+
+def test_restores_share_the_read_lock_and_a_publish_waits_for_them(tmp_path: Path) -> None:
+    image = tmp_path / "img"
+    with image_read_lock(image), image_read_lock(image):  # two restores at once
+        with pytest.raises(ImageBusy, match="restores are still reading"):
+            with image_read_lock(image, exclusive=True, timeout_s=0.1):
+                pass
+    with image_read_lock(image, exclusive=True, timeout_s=0.1):
+        with pytest.raises(ImageBusy, match="a capture is replacing"):
+            with image_read_lock(image, timeout_s=0.1):
+                pass
+
+
+def test_copy_follows_no_link_on_either_side(tmp_path: Path) -> None:
+    source = tmp_path / "src"
+    source.write_text("data")
+    (tmp_path / "link").symlink_to(source)
+    with pytest.raises(OSError):
+        copy_no_follow(tmp_path / "link", tmp_path / "out")
+    victim = tmp_path / "victim"
+    victim.write_text("root's file")
+    (tmp_path / "planted").symlink_to(victim)
+    with pytest.raises(OSError):
+        copy_no_follow(source, tmp_path / "planted")
+    assert victim.read_text() == "root's file"
+    copy_no_follow(source, tmp_path / "copy")
+    assert (tmp_path / "copy").read_text() == "data"
