@@ -1,7 +1,10 @@
 """CriuRunner: finds CRIU, checks it, runs dump and restore, turns failures into CriuError.
 
-The only module that executes CRIU. Arguments come from _criu_options; the exact argv of each
-run is saved beside its log (``<log>.argv``) so a failure can be replayed by hand.
+The only module that executes CRIU. Arguments come from _criu_options (each with
+--no-default-config); CRIU runs with CRIU's own environment variables removed (CRIU_CONFIG_FILE is
+read even with that flag, CRIU_LIBS_DIR loads plugins, CRIU_FAULT injects faults), so nothing on
+the host but vsnap's argv decides what CRIU does. The exact argv of each run is saved beside its
+log (``<log>.argv``) so a failure can be replayed by hand.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ._criu_options import DumpOptions, LazyPagesOptions, RestoreOptions
+from ._criu_options import DumpOptions, LazyPagesOptions, RestoreOptions, check_argv, version_argv
 from .protocol.errors import CriuError, HostNotReady
 
 MIN_VERSION = (4, 2)
@@ -31,6 +34,11 @@ HINTS: tuple[tuple[str, str], ...] = (
     (r"Permission denied|Operation not permitted", "CRIU needs root (CAP_SYS_ADMIN)"),
     (r"Can't dump.*(mount|mnt)|unsupported mount", "a mount of the tree is not declared external; see the dump log"),
 )
+
+
+def criu_environment() -> dict[str, str]:
+    """This process's environment without CRIU's own variables (CRIU_*)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("CRIU_")}
 
 
 def find_criu() -> Path:
@@ -85,7 +93,8 @@ class CriuRunner:
 
     def version(self) -> tuple[int, ...]:
         try:
-            out = subprocess.run([str(self.binary), "--version"], capture_output=True, text=True, timeout=30)
+            out = subprocess.run([str(self.binary), *version_argv()], capture_output=True, text=True, timeout=30,
+                                 env=criu_environment())
         except OSError as exc:
             raise HostNotReady("criu", f"{self.binary} cannot run: {exc.strerror}", hint=INSTALL_HINT) from None
         version = parse_version(out.stdout)
@@ -103,7 +112,11 @@ class CriuRunner:
 
     def check(self) -> None:
         """`criu check`: the kernel has what CRIU needs."""
-        out = subprocess.run([str(self.binary), "check"], capture_output=True, text=True, timeout=60)
+        try:
+            out = subprocess.run([str(self.binary), *check_argv()], capture_output=True, text=True, timeout=60,
+                                 env=criu_environment())
+        except OSError as exc:
+            raise HostNotReady("criu", f"{self.binary} cannot run: {exc.strerror}", hint=INSTALL_HINT) from None
         if out.returncode != 0:
             lines = (out.stderr + out.stdout).strip().splitlines()
             errors = [line for line in lines if "Error" in line] or lines[-1:]
@@ -116,7 +129,7 @@ class CriuRunner:
         Path(f"{log_file}.argv").write_text(" ".join([str(self.binary), *argv]) + "\n")
         try:
             out = subprocess.run([str(self.binary), *argv], capture_output=True, text=True, timeout=timeout_s,
-                                 stdin=subprocess.DEVNULL, pass_fds=pass_fds)
+                                 stdin=subprocess.DEVNULL, pass_fds=pass_fds, env=criu_environment())
         except subprocess.TimeoutExpired:
             raise CriuError(action, -1, log_file, f"criu {action} ran longer than {timeout_s:g} s",
                             hint="the tree may be stuck in the kernel; see the log") from None
@@ -132,8 +145,11 @@ class CriuRunner:
 
     def check_feature(self, feature: str) -> bool:
         """`criu check --feature NAME` (e.g. uffd-noncoop for lazy pages)."""
-        out = subprocess.run([str(self.binary), "check", "--feature", feature], capture_output=True, text=True,
-                             timeout=60)
+        try:
+            out = subprocess.run([str(self.binary), *check_argv(feature)], capture_output=True, text=True,
+                                 timeout=60, env=criu_environment())
+        except OSError:
+            return False
         return out.returncode == 0
 
     def restore(self, options: RestoreOptions, timeout_s: float = 600) -> int:
@@ -160,7 +176,8 @@ class LazyPagesServer:
         argv = [str(runner.binary), *options.to_argv()]
         Path(f"{options.log_file}.argv").write_text(" ".join(argv) + "\n")
         self.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.DEVNULL, start_new_session=True)
+                                        stderr=subprocess.DEVNULL, start_new_session=True,
+                                        env=criu_environment())
         deadline = time.monotonic() + start_timeout_s
         while not options.socket.exists():
             if self.process.poll() is not None or time.monotonic() > deadline:

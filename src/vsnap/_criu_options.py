@@ -1,5 +1,10 @@
 """Typed CRIU settings and the one place that turns them into CRIU's command line.
 
+Every argv starts with the action and NO_DEFAULT_CONFIG: CRIU otherwise reads
+/etc/criu/default.conf and ~/.criu/default.conf first, so a stray file on the host would change
+what vsnap asks for (the runner also drops CRIU_CONFIG_FILE and CRIU's other variables from the
+environment, which that flag does not cover).
+
 Every mount of the tree's mount namespace other than / and /proc belongs to the host: the dump
 declares each one external under a stable key (m0, m1, ...), the manifest records the keys, and
 the restore maps each key back to its mount point (runc does the same with its mount keys).
@@ -13,6 +18,17 @@ from pathlib import Path
 # Mounts the tree owns itself: its root (a copy of the host's in a new mount namespace) and
 # the private /proc that `unshare --mount-proc` gave it.
 OWN_MOUNTS = ("/", "/proc")
+NO_DEFAULT_CONFIG = "--no-default-config"
+
+
+def version_argv() -> list[str]:
+    """`criu --version`"""
+    return [NO_DEFAULT_CONFIG, "--version"]
+
+
+def check_argv(feature: str | None = None) -> list[str]:
+    """`criu check` (the kernel has what CRIU needs), or `criu check --feature NAME`."""
+    return ["check", NO_DEFAULT_CONFIG] + (["--feature", feature] if feature else [])
 
 
 def external_mounts(mountinfo: str) -> dict[str, str]:
@@ -43,7 +59,7 @@ class DumpOptions:
 
     def to_argv(self) -> list[str]:
         argv = [
-            "dump", "--tree", str(self.pid), "--images-dir", str(self.images_dir),
+            "dump", NO_DEFAULT_CONFIG, "--tree", str(self.pid), "--images-dir", str(self.images_dir),
             "--log-file", str(self.log_file), "-v4",
             "--link-remap", "--file-locks", "--tcp-established", "--network-lock", "skip",
             "--ghost-limit", self.ghost_limit,
@@ -71,7 +87,7 @@ class RestoreOptions:
 
     def to_argv(self) -> list[str]:
         argv = [
-            "restore", "--images-dir", str(self.images_dir), "--work-dir", str(self.work_dir), "--log-file", str(self.log_file), "-v4",
+            "restore", NO_DEFAULT_CONFIG, "--images-dir", str(self.images_dir), "--work-dir", str(self.work_dir), "--log-file", str(self.log_file), "-v4",
             "--restore-detached", "--pidfile", str(self.pidfile),
             "--file-locks", "--tcp-established", "--root", "/",
         ]
@@ -98,5 +114,5 @@ class LazyPagesOptions:
         return self.work_dir / "lazy-pages.socket"
 
     def to_argv(self) -> list[str]:
-        return ["lazy-pages", "--images-dir", str(self.images_dir), "--work-dir", str(self.work_dir),
+        return ["lazy-pages", NO_DEFAULT_CONFIG, "--images-dir", str(self.images_dir), "--work-dir", str(self.work_dir),
                 "--log-file", str(self.log_file), "-v4"]

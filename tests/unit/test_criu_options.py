@@ -21,7 +21,7 @@ def test_external_mounts_skip_own_and_duplicates() -> None:
 def test_dump_argv() -> None:
     argv = DumpOptions(pid=42, images_dir=Path("/img"), log_file=Path("/img/dump.log"),
                        externals={"m0": "/dev"}).to_argv()
-    assert argv[:3] == ["dump", "--tree", "42"]
+    assert argv[0] == "dump" and argv[argv.index("--tree") + 1] == "42"
     for flag in ("--link-remap", "--file-locks", "--tcp-established"):
         assert flag in argv
     assert argv[argv.index("--network-lock") + 1] == "skip"
@@ -82,9 +82,88 @@ def test_a_page_server_that_dies_at_start_is_an_error_naming_its_log(tmp_path: P
     from vsnap.protocol.errors import CriuError
 
     fake = tmp_path / "criu"
-    fake.write_text("#!/bin/sh\necho 'Error (criu/uffd.c:1): uffd: no userfaultfd here' > \"$7\"\nexit 1\n")
+    fake.write_text("#!/bin/sh\nwhile [ \"$1\" != --log-file ]; do shift; done\n"
+                    "echo 'Error (criu/uffd.c:1): uffd: no userfaultfd here' > \"$2\"\nexit 1\n")
     fake.chmod(0o755)
     options = LazyPagesOptions(images_dir=tmp_path, work_dir=tmp_path, log_file=tmp_path / "lazy-pages.log")
     with pytest.raises(CriuError, match="criu lazy-pages failed: .*no userfaultfd here") as failure:
         LazyPagesServer(CriuRunner(fake), options)
     assert "uffd-noncoop" in failure.value.hint and str(options.log_file) in str(failure.value.log_path)
+
+
+# --- nothing but vsnap's argv decides what CRIU does ------------------------------------------
+
+
+def every_argv(tmp_path: Path) -> dict[str, list[str]]:
+    from vsnap._criu_options import LazyPagesOptions, check_argv, version_argv
+
+    return {
+        "dump": DumpOptions(pid=42, images_dir=tmp_path, log_file=tmp_path / "d.log", leave_running=True,
+                            externals={"m0": "/dev"}, external_netns=(1, "net0")).to_argv(),
+        "restore": RestoreOptions(images_dir=tmp_path, work_dir=tmp_path, log_file=tmp_path / "r.log",
+                                  pidfile=tmp_path / "pid", externals={"m0": "/dev"}, inherit_fds={5: "net0"},
+                                  lazy_pages=True).to_argv(),
+        "lazy-pages": LazyPagesOptions(images_dir=tmp_path, work_dir=tmp_path, log_file=tmp_path / "l.log").to_argv(),
+        "check": check_argv(),
+        "check --feature": check_argv("uffd-noncoop"),
+        "--version": version_argv(),
+    }
+
+
+def test_every_argv_has_no_default_config(tmp_path: Path) -> None:
+    for name, argv in every_argv(tmp_path).items():
+        assert argv.count("--no-default-config") == 1, name
+    assert every_argv(tmp_path)["check --feature"] == ["check", "--no-default-config", "--feature", "uffd-noncoop"]
+
+
+def test_criu_environment_drops_criu_variables(monkeypatch) -> None:
+    from vsnap._criu import criu_environment
+
+    monkeypatch.setenv("CRIU_CONFIG_FILE", "/tmp/hostile.conf")  # read even with --no-default-config
+    monkeypatch.setenv("CRIU_LIBS_DIR", "/tmp/plugins")  # plugins CRIU would load as root
+    monkeypatch.setenv("PATH_KEPT", "yes")
+    env = criu_environment()
+    assert not any(key.startswith("CRIU_") for key in env) and env["PATH_KEPT"] == "yes"
+
+
+def test_every_criu_run_gets_the_flag_and_the_clean_environment(tmp_path: Path, monkeypatch) -> None:
+    """Every way the runner starts CRIU (version, check, check --feature, dump, restore, lazy-pages)."""
+    import subprocess
+
+    from vsnap import _criu
+    from vsnap._criu_options import LazyPagesOptions
+
+    monkeypatch.setenv("CRIU_CONFIG_FILE", "/tmp/hostile.conf")
+    runs: list[tuple[list[str], dict]] = []
+
+    class Done:
+        returncode, stdout, stderr = 0, "Version: 4.2.1\n", ""
+
+        def poll(self):
+            return 0
+
+        def wait(self, timeout=None):
+            return 0
+
+    def fake(argv, **kwargs):
+        runs.append((list(argv), kwargs.get("env")))
+        if argv[1] == "restore":
+            Path(argv[argv.index("--pidfile") + 1]).write_text("7\n")
+        if argv[1] == "lazy-pages":
+            (tmp_path / "lazy-pages.socket").touch()
+        return Done()
+
+    monkeypatch.setattr(subprocess, "run", fake)
+    monkeypatch.setattr(subprocess, "Popen", fake)
+    runner = _criu.CriuRunner(Path("/usr/bin/criu-fake"))
+    runner.version()
+    runner.check()
+    runner.check_feature("uffd-noncoop")
+    runner.dump(DumpOptions(pid=42, images_dir=tmp_path, log_file=tmp_path / "d.log"))
+    runner.restore(RestoreOptions(images_dir=tmp_path, work_dir=tmp_path, log_file=tmp_path / "r.log",
+                                  pidfile=tmp_path / "pid"))
+    runner.start_lazy_pages(LazyPagesOptions(images_dir=tmp_path, work_dir=tmp_path, log_file=tmp_path / "l.log"))
+    assert len(runs) == 6
+    for argv, env in runs:
+        assert "--no-default-config" in argv, argv
+        assert env is not None and "CRIU_CONFIG_FILE" not in env, argv
