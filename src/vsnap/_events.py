@@ -23,11 +23,18 @@ ProgressCallback = Callable[[PhaseEvent], None]
 FAILPOINT_ENV = "VSNAP_FAILPOINT"
 
 
+STALL_S = 3.0
+
+
 def failpoint(name: str) -> None:
     """Fault injection for the fault tests: VSNAP_FAILPOINT="criu dump" SIGKILLs this process at the
-    start of that phase, "after criu dump" at its end. Unset in normal use."""
-    if os.environ.get(FAILPOINT_ENV) == name:
+    start of that phase, "after criu dump" at its end; "stall recover" waits STALL_S there (so a
+    test can act on a run in flight). Unset in normal use."""
+    wanted = os.environ.get(FAILPOINT_ENV)
+    if wanted == name:
         os.kill(os.getpid(), signal.SIGKILL)
+    elif wanted == f"stall {name}":
+        time.sleep(STALL_S)
 
 
 def _ignore(_: PhaseEvent) -> None:

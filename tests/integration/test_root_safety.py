@@ -1,0 +1,159 @@
+"""A hostile user against the real thing (CRIU, the CPU engine): vsnap runs as root, so an image
+someone else could have chosen, a path that leaves the image, a link at a lock, an ordinary
+directory under --force, a write into a capturing tree's control directory and a stop during a
+restore must each be refused or handled in one line, with nothing lost and nothing left running."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import VSNAP, engine_processes
+from tests.integration.conftest import CapturedImage, run_vsnap, write_spec
+from vsnap import capture_image, load_spec
+from vsnap.protocol.errors import CheckpointError
+
+pytestmark = pytest.mark.criu
+NOBODY = 65534
+
+
+def copy_image(captured: CapturedImage, tmp_path: Path) -> Path:
+    parent = tmp_path / "copies"
+    parent.mkdir(mode=0o700)
+    image = parent / "img"
+    shutil.copytree(captured.image, image, symlinks=True)
+    return image
+
+
+def test_force_never_deletes_an_ordinary_directory(tmp_path: Path) -> None:
+    data = tmp_path / "images" / "precious"
+    data.mkdir(parents=True, mode=0o700)
+    (data / "thesis.txt").write_text("years of work")
+    spec = write_spec(tmp_path, "precious")
+    result = run_vsnap("capture", str(spec), "--force")
+    assert result.returncode == 4
+    assert "is not a vsnap image" in result.stderr and "Traceback" not in result.stderr
+    assert (data / "thesis.txt").read_text() == "years of work"
+    assert engine_processes(tmp_path / "control" / "precious") == []  # refused before the boot
+
+
+def test_a_link_at_the_image_path_or_the_lock_is_refused_in_one_line(tmp_path: Path) -> None:
+    spec = write_spec(tmp_path, "linked")
+    images = tmp_path / "images"
+    images.mkdir(mode=0o700)
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (images / "linked").symlink_to(victim)
+    result = run_vsnap("capture", str(spec), "--force")
+    assert result.returncode == 4 and "is a symlink; vsnap never replaces or follows one" in result.stderr
+    (images / "linked").unlink()
+    (images / ".linked.lock").symlink_to(tmp_path / "lock-target")
+    result = run_vsnap("capture", str(spec))
+    assert result.returncode == 4 and "Traceback" not in result.stderr
+    assert "is a symlink; vsnap never follows a link at its lock" in result.stderr
+    assert not (tmp_path / "lock-target").exists()
+
+
+def test_an_image_another_user_owns_is_refused_before_criu(captured: CapturedImage, tmp_path: Path) -> None:
+    image = copy_image(captured, tmp_path)
+    for path in [image, *image.rglob("*")]:
+        os.lchown(path, NOBODY, NOBODY)
+    for command in (["restore", str(image), "--port", "0"], ["validate", str(image)]):
+        result = run_vsnap(*command)
+        assert result.returncode == 4, result.stderr
+        assert "owned by uid 65534, not by root" in result.stderr + result.stdout
+    assert engine_processes(captured.control_dir) == []
+    assert not list(Path(f"{captured.control_dir}.instances").glob("r-*/restore.log.argv"))  # CRIU never ran
+
+
+def test_a_manifest_path_that_leaves_the_image_is_refused(captured: CapturedImage, tmp_path: Path) -> None:
+    """The reported attack: shm_files with ../../.. made root copy a file into a root-only directory."""
+    image = copy_image(captured, tmp_path)
+    manifest = json.loads((image / "manifest.json").read_text())
+    target = tmp_path / "root-only"
+    target.mkdir(mode=0o700)
+    manifest["shm_files"] = [f"../../../../../..{target}/planted"]
+    (image / "manifest.json").write_text(json.dumps(manifest))
+    os.chmod(image / "manifest.json", 0o600)
+    for command in (["restore", str(image), "--port", "0"], ["validate", str(image)]):
+        result = run_vsnap(*command)
+        assert result.returncode == 4, result.stderr
+        assert "must be plain file names" in result.stderr + result.stdout
+    assert list(target.iterdir()) == []
+    manifest["shm_files"] = []
+    manifest["files"]["../outside"] = {"size": 1, "sha256": "0" * 64}
+    (image / "manifest.json").write_text(json.dumps(manifest))
+    result = run_vsnap("restore", str(image), "--port", "0")
+    assert result.returncode == 4 and "names a path outside the image" in result.stderr
+
+
+def test_an_activation_written_before_the_dump_fails_the_capture(tmp_path: Path) -> None:
+    spec = load_spec(write_spec(tmp_path, "forged"))
+    instances = Path(f"{spec.control_dir}.instances")
+    done = threading.Event()
+
+    def forge() -> None:  # as soon as the tree is at its barrier, someone writes an activation
+        while not done.is_set():
+            for ready in instances.glob("capture-*/ready.json"):
+                (ready.parent / "activation.json").write_text(
+                    '{"host": "127.0.0.1", "port": 1, "protocol": 2, "vsnap": "0.2.0"}')
+                os.chmod(ready.parent / "activation.json", 0o600)
+                return
+            time.sleep(0.001)
+
+    forger = threading.Thread(target=forge)
+    forger.start()
+    try:
+        with pytest.raises(CheckpointError, match="activation.json appeared in the capturing tree's control"):
+            capture_image(spec)
+    finally:
+        done.set()
+        forger.join()
+    assert not spec.image_dir.exists()
+    assert [p.name for p in spec.image_dir.parent.iterdir() if ".staging-" in p.name] == []
+    assert engine_processes(spec.control_dir) == []
+
+
+def test_stop_during_a_restore_wins_and_nothing_serves(captured: CapturedImage) -> None:
+    restore = subprocess.Popen([VSNAP, "restore", str(captured.image), "--port", "0", "--detach"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "VSNAP_FAILPOINT": "stall recover"})
+    try:
+        deadline = time.monotonic() + 30
+        while '"restoring"' not in (ps := run_vsnap("ps", "--json").stdout) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert '"restoring"' in ps
+        stopped = run_vsnap("stop", str(captured.image))
+        assert stopped.returncode == 0, stopped.stderr
+        out, err = restore.communicate(timeout=60)
+    finally:
+        if restore.poll() is None:
+            restore.kill()
+    assert restore.returncode == 5 and "stopped by `vsnap stop` while restoring" in err
+    assert engine_processes(captured.control_dir) == []
+    assert json.loads(run_vsnap("ps", "--json").stdout)["instances"] == []
+
+
+def test_a_dead_instance_is_gone_and_its_shm_directory_removed(captured: CapturedImage) -> None:
+    result = run_vsnap("restore", str(captured.image), "--port", "0", "--detach", "--json")
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(result.stdout)
+    shm = Path(f"/dev/shm/vsnap-{doc['instance']}")
+    assert shm.is_dir()
+    os.kill(doc["pid"], signal.SIGKILL)  # the tree dies behind vsnap's back
+    deadline = time.monotonic() + 10
+    while engine_processes(captured.control_dir) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    first = run_vsnap("ps").stdout
+    assert doc["instance"] in first and "gone" in first  # shown once as gone, then pruned
+    assert doc["instance"] not in run_vsnap("ps").stdout
+    assert not shm.exists()
+    assert run_vsnap("stop", doc["instance"]).returncode != 0  # nothing to act on
