@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict
 
 from .protocol import control
 from ._proctree import ProcessIdentity, identify, is_same
-from ._shm import remove_instance_shm, shm_dir_of
+from ._shm import remove_instance_shm, remove_orphans, shm_dir_of
 
 RUNTIME_DIR = Path(os.environ.get("VSNAP_RUNTIME_DIR", "/run/vsnap"))
 
@@ -215,17 +215,22 @@ def _remove_staging(record: CaptureRecord) -> None:
 def prune_dead_runs() -> list[str]:
     """Remove what captures and restores whose vsnap process died left behind: staging
     directories, /dev/shm directories, records. Returns the ids cleaned up."""
-    cleaned = [record.id for record in instance_records()[1]]
+    running, gone = instance_records()
+    cleaned = [record.id for record in gone]
+    known = {shm_dir_of(record.id).name for record in running}
     directory = captures_dir()
     for path in sorted(directory.glob("*.json")):
         try:
             record = control.read_message(directory, path.name, CaptureRecord)
         except control.ControlProtocolError:
             continue
-        if record is None or is_same(record.owner.identity):
+        if record is None:
+            continue
+        if is_same(record.owner.identity):
+            known.add(Path(record.shm_dir).name)
             continue
         _remove_staging(record)
         remove_instance_shm(Path(record.shm_dir))
         unregister_capture(record.id)
         cleaned.append(record.id)
-    return cleaned
+    return cleaned + remove_orphans(known)

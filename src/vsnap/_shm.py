@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import stat
+import time
 from pathlib import Path
 
 from ._trust import copy_no_follow
@@ -54,3 +55,36 @@ def remove_instance_shm(directory: Path) -> None:
     """Remove a tree's /dev/shm directory, and nothing that vsnap did not make (see _ours)."""
     if _ours(directory):
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def _mounted_names() -> set[str]:
+    """Names of /dev/shm/vsnap-* directories some process has bound (a live tree's /dev/shm)."""
+    names: set[str] = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/mountinfo") as f:
+                for line in f:
+                    fields = line.split()
+                    if len(fields) > 4 and fields[4] == str(SHM) and fields[3].startswith("/vsnap-"):
+                        names.add(fields[3][1:])
+        except OSError:
+            continue
+    return names
+
+
+def remove_orphans(known: set[str], min_age_s: float = 60.0) -> list[str]:
+    """Remove vsnap's /dev/shm directories that no record names and no live tree has mounted
+    (left by a vsnap that was killed, or by an older version without records)."""
+    candidates = [d for d in SHM.glob("vsnap-*") if d.name not in known and _ours(d)
+                  and time.time() - d.lstat().st_mtime >= min_age_s]
+    if not candidates:
+        return []
+    mounted = _mounted_names()
+    removed = []
+    for directory in candidates:
+        if directory.name not in mounted:
+            shutil.rmtree(directory, ignore_errors=True)
+            removed.append(directory.name)
+    return removed

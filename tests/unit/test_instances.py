@@ -60,3 +60,31 @@ def test_a_record_whose_pid_was_reused_is_gone_and_never_signalled(tmp_path: Pat
     finally:
         bystander.kill()
         bystander.wait()
+
+
+def test_orphaned_shm_directories_go_and_nothing_else(tmp_path: Path) -> None:
+    """/dev/shm/vsnap-* directories no record names and no tree mounts are removed; what vsnap
+    did not make (another owner's mode, a link) and what is young stays."""
+    import secrets
+
+    from vsnap._shm import SHM, remove_orphans
+
+    tag = secrets.token_hex(4)
+    old, young, shared, link = (SHM / f"vsnap-test-{tag}-{n}" for n in ("old", "young", "shared", "link"))
+    try:
+        for directory in (old, young, shared):
+            directory.mkdir(mode=0o700)
+        os.chmod(shared, 0o755)
+        link.symlink_to(tmp_path)
+        long_ago = time.time() - 3600
+        for path in (old, shared):
+            os.utime(path, (long_ago, long_ago))
+        os.utime(link, (long_ago, long_ago), follow_symlinks=False)
+        removed = remove_orphans(known={young.name})
+        assert old.name in removed and not {young.name, shared.name, link.name} & set(removed)
+        assert not old.exists() and young.is_dir() and shared.is_dir() and link.is_symlink() and tmp_path.is_dir()
+    finally:
+        for path in (young, shared):
+            if path.is_dir():
+                path.rmdir()
+        link.unlink(missing_ok=True)
