@@ -32,30 +32,54 @@ def _reopen_stdio(log_path: Path) -> None:
     sys.stderr = open(2, "w", buffering=1, closefd=False)
 
 
-def _reap_orphans() -> None:
-    """Reap zombies of processes we did not start ourselves (multiprocessing waits for its own)."""
-    import multiprocessing
+# A zombie child is reaped only after it stayed one this long: a child whose parent thread
+# waits for it (subprocess.Popen.wait(), multiprocessing) is reaped by that thread at once, and
+# must not be taken from it (its wait() would fail with ECHILD and lose the exit status).
+ORPHAN_GRACE_S = 5.0
 
-    while True:
-        time.sleep(0.5)
-        own = {p.pid for p in multiprocessing.active_children()}
+
+def reap_orphans_once(seen: dict[int, float], now: float, own: set[int]) -> list[int]:
+    """One pass of the PID-1 reaper: reap our zombie children (other than ``own``) that have been
+    zombies for ORPHAN_GRACE_S (``seen``: pid -> when first seen as a zombie). Returns those reaped."""
+    zombies = set()
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit() or int(entry) in own:
+            continue
         try:
-            entries = os.listdir("/proc")
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        for entry in entries:
-            if not entry.isdigit() or int(entry) in own:
-                continue
+        if fields[0] == "Z" and int(fields[1]) == os.getpid():
+            zombies.add(int(entry))
+    for pid in list(seen):
+        if pid not in zombies:
+            del seen[pid]  # someone else reaped it, or the PID is another process now
+    reaped = []
+    for pid in sorted(zombies):
+        first = seen.setdefault(pid, now)
+        if now - first >= ORPHAN_GRACE_S:
             try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if fields[0] == "Z" and int(fields[1]) == os.getpid():
-                try:
-                    os.waitpid(int(entry), os.WNOHANG)
-                except ChildProcessError:
-                    pass
+                os.waitpid(pid, os.WNOHANG)
+                reaped.append(pid)
+            except ChildProcessError:
+                pass
+            seen.pop(pid, None)
+    return reaped
+
+
+def _reap_orphans() -> None:
+    """Reap zombies of processes re-parented to us (PID 1) that no one else waits for."""
+    import multiprocessing
+
+    seen: dict[int, float] = {}
+    while True:
+        time.sleep(0.5)
+        reap_orphans_once(seen, time.monotonic(), {p.pid for p in multiprocessing.active_children()})
 
 
 def _watch_owner(control_dir: Path) -> None:
