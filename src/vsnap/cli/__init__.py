@@ -5,26 +5,111 @@ from __future__ import annotations
 import functools
 import signal
 import sys
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 import typer
+from typer.core import TyperGroup
 
-from ..protocol.errors import VsnapError
+from ..protocol.errors import UsageError, VsnapError
 from . import _render
 
 EXIT_CODES_HELP = """
 Exit codes: 0 ok · 1 error · 2 bad model.yaml or usage · 3 host not ready (CRIU, root, port) ·
-4 image missing, altered or from another host · 5 checkpoint/restore failed ·
-6 engine failed · 7 oracle mismatch after restore · 8 unsafe control file · 130 interrupted.
+4 image missing, altered, untrusted or from another host · 5 checkpoint/restore failed ·
+6 engine failed · 7 oracle mismatch after restore · 8 unsafe control file · 9 nothing running ·
+10 no such instance · 11 option not supported here · 130 interrupted.
 """
+
+
+# Click's usage-error class, found through typer (which may carry its own copy of Click)
+ClickUsageError: type[Exception] = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
+_NO_ARGS_IS_HELP = getattr(sys.modules[ClickUsageError.__module__], "NoArgsIsHelpError", ())
+
+
+def wants_json(args: Sequence[str]) -> bool:
+    """Whether a command line asks for JSON (``--json`` anywhere before a ``--``)."""
+    for arg in args:
+        if arg == "--":
+            return False
+        if arg == "--json":
+            return True
+    return False
+
+
+def _json_usage_error(error: Any) -> typer.Exit:
+    """Print a Click usage error as vsnap's JSON error document; the Exit to raise (code 2)."""
+    command = error.ctx.command_path if getattr(error, "ctx", None) is not None else "vsnap"
+    usage = UsageError(error.format_message(), hint=f"{command} --help shows the usage")
+    _render.print_json("error", usage.to_dict())
+    return typer.Exit(usage.exit_code)
+
+
+class VsnapGroup(TyperGroup):
+    """Click's usage errors (unknown option, bad value, missing argument) on a command line with
+    --json become one JSON error document on stdout (exit 2); without --json Click prints them."""
+
+    def make_context(self, info_name: str | None, args: list[str], parent: Any = None, **extra: Any) -> Any:
+        as_json = wants_json(args)
+        try:
+            ctx = super().make_context(info_name, args, parent=parent, **extra)
+        except ClickUsageError as error:
+            if as_json and not isinstance(error, _NO_ARGS_IS_HELP):
+                raise _json_usage_error(error) from None
+            raise
+        ctx.meta["vsnap.json"] = as_json
+        return ctx
+
+    def invoke(self, ctx: Any) -> Any:
+        try:
+            return super().invoke(ctx)
+        except ClickUsageError as error:  # the subcommand's own arguments
+            if ctx.meta.get("vsnap.json"):
+                raise _json_usage_error(error) from None
+            raise
+
 
 app = typer.Typer(
     name="vsnap",
+    cls=VsnapGroup,
     help="Capture a booted LLM server once; restore it in about a second.\n\n" + EXIT_CODES_HELP,
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_show_locals=False,
 )
+
+
+def versions() -> dict[str, Any]:
+    """vsnap's version, and the versions of the engine contract and the image format it speaks."""
+    from .. import __version__
+    from .._manifest import FORMAT_VERSION
+    from ..protocol import control
+
+    found: dict[str, Any] = {"vsnap": __version__, "control_protocol": getattr(control, "PROTOCOL_VERSION", None),
+                             "image_format": FORMAT_VERSION}
+    return {k: v for k, v in found.items() if v is not None}
+
+
+@app.callback(invoke_without_command=True)
+def _main(
+    ctx: typer.Context,
+    version: bool = typer.Option(False, "--version", help="print vsnap's version (and its protocol and image "
+                                                          "format versions) and exit"),
+    as_json: bool = typer.Option(False, "--json", help="JSON output: with --version, or for the command that "
+                                                       "follows (same as its own --json)"),
+) -> None:
+    if version:
+        found = versions()
+        if as_json:
+            _render.print_json("version", found)
+        else:
+            extra = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in found.items() if k != "vsnap")
+            _render.stdout.print(f"vsnap {found['vsnap']}" + (f" ({extra})" if extra else ""))
+        raise typer.Exit(0)
+    if ctx.invoked_subcommand is None:
+        raise ClickUsageError("missing command (vsnap --help lists them)", ctx=ctx)
+    if as_json:  # `vsnap --json CMD ...` is `vsnap CMD --json ...`: every command has --json
+        ctx.default_map = {**(ctx.default_map or {}), ctx.invoked_subcommand: {"as_json": True}}
+
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -1,4 +1,9 @@
-"""Everything the CLI draws: consoles, phase progress, the timing table, error lines, JSON."""
+"""Everything the CLI draws: consoles, phase progress, the timing table, error lines, JSON.
+
+Text that comes from outside (paths, spec keys, messages that quote them) is escaped before rich
+sees it, and the consoles replace no :emoji: codes: a key named "[/]" in a model.yaml is printed,
+not read as markup (it made rich raise MarkupError).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import sys
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from ..protocol.errors import VsnapError
@@ -14,8 +20,8 @@ from .._events import PhaseEvent
 
 JSON_FORMAT_VERSION = 1
 
-stdout = Console(highlight=False, soft_wrap=True)
-stderr = Console(stderr=True, highlight=False, soft_wrap=True)
+stdout = Console(highlight=False, soft_wrap=True, emoji=False)
+stderr = Console(stderr=True, highlight=False, soft_wrap=True, emoji=False)
 
 
 class PhaseProgress:
@@ -35,7 +41,7 @@ class PhaseProgress:
             self._status.stop()
             self._status = None
         mark = "[green]✓[/]" if event.state == "done" else "[red]✗[/]"
-        self.console.print(f"{mark} {event.phase:<16} {event.seconds or 0:7.2f} s")
+        self.console.print(f"{mark} {escape(f'{event.phase:<16}')} {event.seconds or 0:7.2f} s")
 
     def close(self) -> None:
         if self._status is not None:
@@ -44,15 +50,15 @@ class PhaseProgress:
 
 
 def timing_table(title: str, seconds: dict[str, float], extra: dict[str, float] | None = None) -> Table:
-    table = Table(title=title, title_justify="left")
+    table = Table(title=escape(title), title_justify="left")
     table.add_column("phase")
     table.add_column("seconds", justify="right")
     for phase, value in seconds.items():
-        table.add_row(phase, f"{value:.3f}")
+        table.add_row(escape(phase), f"{value:.3f}")
     table.add_row("[bold]total[/]", f"[bold]{sum(seconds.values()):.3f}[/]")
     for name, value in (extra or {}).items():
         if name.endswith("_s"):  # the breakdown inside the phases above (engine and handoff)
-            table.add_row(f"  · {name.removesuffix('_s').replace('_', ' ')}", f"{value:.3f}")
+            table.add_row(escape(f"  · {name.removesuffix('_s').replace('_', ' ')}"), f"{value:.3f}")
     return table
 
 
@@ -67,10 +73,10 @@ def print_error(error: VsnapError, as_json: bool) -> None:
     if as_json:
         print_json("error", error.to_dict())
         return
-    stderr.print(f"[bold red]error:[/] {error.message}", markup=True)
-    for issue in getattr(error, "issues", [])[1:]:
-        stderr.print(f"       {issue}")
+    stderr.print(f"[bold red]error:[/] {escape(error.message)}")
+    for issue in getattr(error, "issues", [])[1:]:  # a SpecError: every issue, each on its line
+        stderr.print(f"       {issue}", markup=False)
     if error.hint:
-        stderr.print(f"[yellow]hint:[/] {error.hint}")
+        stderr.print(f"[yellow]hint:[/] {escape(error.hint)}")
     if error.log_path:
-        stderr.print(f"log:  {error.log_path}")
+        stderr.print(f"log:  {error.log_path}", markup=False)

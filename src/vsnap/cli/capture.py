@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -21,10 +22,12 @@ def capture(
     force: bool = typer.Option(False, "--force", help="replace an existing image once the new one is complete"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON document on stdout"),
 ) -> None:
-    model_spec = load_spec(spec)
+    # --image goes through the spec's own checks (absolute, no system directory, apart from the control dir)
+    override = {"image": os.path.abspath(image)} if image is not None else None
+    model_spec = load_spec(spec, overrides=override)
     progress = _render.PhaseProgress()
     try:
-        result = _capture.capture_image(model_spec, image_dir=image, force=force, on_event=progress)
+        result = _capture.capture_image(model_spec, image_dir=model_spec.image_dir, force=force, on_event=progress)
     finally:
         progress.close()
     if as_json:
@@ -34,4 +37,4 @@ def capture(
         })
         return
     _render.stdout.print(_render.timing_table(f"captured {result.image_dir}", result.timings))
-    _render.stdout.print(f"image: {result.image_dir} ({result.image_bytes / 1e6:.1f} MB)")
+    _render.stdout.print(f"image: {result.image_dir} ({result.image_bytes / 1e6:.1f} MB)", markup=False)

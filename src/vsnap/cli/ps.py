@@ -2,24 +2,87 @@
 
 from __future__ import annotations
 
-import typer
-from rich.table import Table
+import time
+from typing import Iterable
 
-from .._instances import running_instances, uptime
+import typer
+from rich import box
+from rich.table import Table
+from rich.text import Text
+
+from .. import _instances
 from . import _render
 from . import app, error_boundary
 
 
-@app.command(help="List running restored instances: id, image, GPU, URL, pid, uptime.")
+def compact_duration(seconds: float) -> str:
+    """42s, 5m03s, 2h05m, 3d04h: at most 6 characters."""
+    s = max(0, int(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def short_gpu(gpu: str | None) -> str:
+    """A GPU UUID (GPU-4ad1c6d3-1b5e-...) by its first 8 hex digits, as nvidia-smi -L can be grepped."""
+    if not gpu:
+        return "-"
+    return gpu.removeprefix("GPU-")[:8]
+
+
+def address(url: str) -> str:
+    """host:port of an http URL (127.0.0.1:8000, [::1]:8000): the table's width; JSON keeps the URL."""
+    return url.removeprefix("http://").rstrip("/") or "-"
+
+
+def ps_table(running: Iterable[_instances.InstanceRecord], gone: Iterable[_instances.InstanceRecord] = (),
+             now: float | None = None) -> Table:
+    """The instances, readable at 80 columns: the image path wraps, the rest stays on one line."""
+    now = time.time() if now is None else now
+    table = Table(box=box.SIMPLE_HEAD, padding=0, show_edge=False)  # one space between columns
+    table.add_column("id", no_wrap=True)
+    table.add_column("image", overflow="fold", min_width=16)
+    table.add_column("gpu", no_wrap=True)
+    table.add_column("address", overflow="fold", min_width=15)
+    table.add_column("pid", justify="right", no_wrap=True)
+    table.add_column("up", justify="right", no_wrap=True)
+    for record in running:
+        state = getattr(record, "state", "serving")
+        up = compact_duration(now - record.started_at) if state == "serving" else state
+        table.add_row(Text(record.id), Text(record.image), short_gpu(record.gpu), Text(address(record.url)),
+                      str(record.pid), up)
+    for record in gone:  # plain Text: ids and paths are never read as markup or :emoji: codes
+        table.add_row(Text(record.id), Text(record.image), short_gpu(record.gpu), "-", str(record.pid),
+                      Text("gone", style="dim"))
+    return table
+
+
+def _records() -> tuple[list[_instances.InstanceRecord], list[_instances.InstanceRecord]]:
+    """(running, gone): records whose processes ended or whose PID was reused are gone (shown once,
+    then pruned) where the instance registry can tell them apart."""
+    both = getattr(_instances, "instance_records", None)
+    if both is not None:
+        running, gone = both()
+        return list(running), list(gone)
+    return _instances.running_instances(), []
+
+
+@app.command(help="List restored instances: id, image, GPU, address, pid, uptime (or restoring, gone); "
+                  "--json has the full URLs.")
 @error_boundary
 def ps(as_json: bool = typer.Option(False, "--json", help="print one JSON document on stdout")) -> None:
-    records = running_instances()
+    running, gone = _records()
     if as_json:
-        _render.print_json("ps", {"instances": [{**r.model_dump(mode="json"), "uptime_s": uptime(r)} for r in records]})
+        _render.print_json("ps", {
+            "instances": [{**r.model_dump(mode="json"), "uptime_s": _instances.uptime(r)} for r in running],
+            "gone": [r.model_dump(mode="json") for r in gone],
+        })
         return
-    table = Table(title_justify="left")
-    for column in ("id", "image", "gpu", "url", "pid", "uptime"):
-        table.add_column(column)
-    for r in records:
-        table.add_row(r.id, r.image, r.gpu or "-", r.url, str(r.pid), f"{uptime(r):.0f} s")
-    _render.stdout.print(table)
+    if not running and not gone:
+        _render.stderr.print("no vsnap instance is running")
+        return
+    _render.stdout.print(ps_table(running, gone))

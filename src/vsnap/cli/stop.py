@@ -7,26 +7,30 @@ from pathlib import Path
 import typer
 
 from .. import _restore
-from ..protocol.errors import ProcessTreeError
+from ..protocol.errors import NothingRunning, UnknownInstance
 from .._instances import running_instances
 from . import _render
 from . import app, error_boundary
 
 
-@app.command(help="Stop running restored instances: every instance of IMAGE, or the one INSTANCE id (vsnap ps).")
+@app.command(help="Stop running restored instances: every instance of IMAGE, or the one INSTANCE id (vsnap ps). "
+                  "Exits 9 when nothing runs, 10 when no running instance matches.")
 @error_boundary
 def stop(
     target: str = typer.Argument(..., help="image directory or instance id"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON document on stdout"),
 ) -> None:
+    running = running_instances()
+    if not running:
+        raise NothingRunning(f"no vsnap instance is running (nothing to stop for {target})")
     image = str(Path(target).absolute())
-    chosen = [r for r in running_instances() if target == r.id or image == r.image]
+    chosen = [r for r in running if target == r.id or image == r.image]
     if not chosen:
-        raise ProcessTreeError(None, f"no running instance of {target}", phase="stop", hint="vsnap ps lists them")
+        raise UnknownInstance(target, hint=f"running: {', '.join(r.id for r in running)} (vsnap ps shows them)")
     for record in chosen:
         _restore.stop_server(record)
     if as_json:
         _render.print_json("stop", {"stopped": [{"id": r.id, "pid": r.pid} for r in chosen]})
     else:
         for record in chosen:
-            _render.stdout.print(f"stopped {record.id} (pid {record.pid})")
+            _render.stdout.print(f"stopped {record.id} (pid {record.pid})", markup=False)

@@ -6,11 +6,22 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
+from .._host import Check
 from .._validate import validate_target
 from . import _render
 from . import app, error_boundary
+
+
+def detail(check: Check) -> str:
+    """A check's detail for the table; a spec error of several issues says so (they follow the table)."""
+    issues = getattr(check.error, "issues", [])
+    if len(issues) > 1:
+        return f"{len(issues)} problems, each listed below"
+    return check.detail
 
 
 @app.command(help="Check, before anything expensive runs, whether this host can capture SPEC or restore IMAGE "
@@ -28,13 +39,13 @@ def validate(
                         "error": c.error.to_dict() if c.error else None} for c in report.checks],
         })
     else:
-        table = Table(title=f"validate {report.kind}" + (f" {report.target}" if report.target else ""),
+        table = Table(title=escape(f"validate {report.kind}" + (f" {report.target}" if report.target else "")),
                       title_justify="left")
         table.add_column("check")
         table.add_column("")
         table.add_column("detail", overflow="fold")
         for c in report.checks:
-            table.add_row(c.name, "[green]ok[/]" if c.ok else "[red]FAIL[/]", c.detail)
+            table.add_row(Text(c.name), "[green]ok[/]" if c.ok else "[red]FAIL[/]", Text(detail(c)))
         _render.stdout.print(table)
     error = report.first_error
     if error is not None:
