@@ -329,7 +329,7 @@ def capture_image(spec: ModelSpec, *, image_dir: Path | None = None, force: bool
             with image_read_lock(image_dir, exclusive=True):  # no restore is reading the old image
                 publish(staging, image_dir)
             # just hashed: the first restore need not hash the files again
-            verified.remember(image_dir, {rel: (os.lstat(image_dir / rel), entry.sha256)
+            verified.remember(image_dir, {rel: (os.lstat(image_dir / rel), entry.digest)
                                           for rel, entry in files.items()})
     return CaptureResult(image_dir, manifest, dict(timings.seconds), image_bytes, image_dir / ENGINE_LOG)
 

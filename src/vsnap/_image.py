@@ -25,7 +25,7 @@ from typing import Iterator
 from . import _verified as verified
 from ._trust import require_inside, require_plain_names, require_trusted_ancestors, require_trusted_tree
 from .protocol.errors import ImageBusy, ImageError, ImageTampered, ImageUntrusted
-from ._manifest import MANIFEST, SHM_DIR, FileEntry, Manifest
+from ._manifest import MANIFEST, PIECES_SCHEME, SHM_DIR, FileEntry, Manifest
 
 RENAME_EXCHANGE = 2
 CHUNK = 4 << 20
@@ -197,7 +197,12 @@ def checksum_tree(root: Path, skip: tuple[str, ...] = (MANIFEST,)) -> dict[str, 
     sizes = {str(p.relative_to(root)): p.stat().st_size for p in sorted(root.rglob("*"))
              if p.is_file() and str(p.relative_to(root)) not in skip}
     digests = piece_hashes(root, sizes)
-    return {rel: FileEntry(size=size, sha256=digests[rel]) for rel, size in sizes.items()}
+    return {rel: FileEntry(size=size, digest=digests[rel], scheme=digest_scheme(size)) for rel, size in sizes.items()}
+
+
+def digest_scheme(size: int) -> str:
+    """How piece_hashes digests a file of this size (see FileEntry)."""
+    return "sha256" if size <= PIECE else PIECES_SCHEME
 
 
 def fsync_tree(root: Path) -> None:
@@ -285,14 +290,16 @@ def verify_files(image_dir: Path, manifest: Manifest, *, cache_root: Path | None
         if st.st_size != entry.size:
             raise ImageTampered(rel, f"{entry.size} bytes", f"{st.st_size} bytes")
         stats[rel] = st
-        if not verified.still_verified(known, rel, st, entry.sha256):
+        if entry.scheme != digest_scheme(entry.size):
+            raise ImageTampered(rel, f"digest scheme {digest_scheme(entry.size)}", f"scheme {entry.scheme}")
+        if not verified.still_verified(known, rel, st, entry.digest):
             to_hash[rel] = entry.size
     digests = piece_hashes(image_dir, to_hash)
     for rel, digest in sorted(digests.items()):
-        if digest != manifest.files[rel].sha256:
+        if digest != manifest.files[rel].digest:
             verified.forget(image_dir, cache_root or verified.VERIFIED_DIR)
-            raise ImageTampered(rel, f"sha256 {manifest.files[rel].sha256[:16]}…", f"sha256 {digest[:16]}…")
+            raise ImageTampered(rel, f"digest {manifest.files[rel].digest[:16]}…", f"digest {digest[:16]}…")
     if cache_root is not None and digests:
-        verified.remember(image_dir, {rel: (stats[rel], entry.sha256) for rel, entry in manifest.files.items()},
+        verified.remember(image_dir, {rel: (stats[rel], entry.digest) for rel, entry in manifest.files.items()},
                           cache_root)
     return sorted(digests)

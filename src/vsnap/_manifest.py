@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -28,12 +28,18 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+PIECES_SCHEME = "sha256-of-64MiB-pieces"
+
+
 class FileEntry(_Frozen):
-    """``sha256``: of the file if it is at most 64 MiB, else of the concatenated hex sha256 of its
-    64 MiB pieces (so verification runs on every core)."""
+    """``digest`` by ``scheme``: "sha256" (the file's sha256, what sha256sum prints) for a file of
+    at most 64 MiB; PIECES_SCHEME for a larger one: the sha256 of the concatenated hex sha256 of its
+    64 MiB pieces, so verification runs on every core. docs/image-format.md gives the shell
+    command that reproduces it."""
 
     size: int
-    sha256: str
+    digest: str
+    scheme: Literal["sha256", "sha256-of-64MiB-pieces"]
 
 
 class Dependency(_Frozen):

@@ -58,7 +58,23 @@ def test_checksum_tree(tmp_path: Path) -> None:
     (tmp_path / "manifest.json").write_text("{}")
     files = checksum_tree(tmp_path)
     assert list(files) == ["sub/x"]
-    assert files["sub/x"].sha256 == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+    assert files["sub/x"].digest == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+    assert files["sub/x"].scheme == "sha256"
+
+
+def test_a_large_file_digest_is_what_the_documented_shell_command_prints(tmp_path: Path) -> None:
+    """docs/image-format.md: split -b 64M --filter='sha256sum | cut -c1-64 | tr -d "\\n"' FILE | sha256sum"""
+    import subprocess
+
+    big = tmp_path / "pages-1.img"
+    with open(big, "wb") as f:
+        for n in range(129):  # 129 MiB: three pieces, the last one short
+            f.write(bytes([n]) * (1 << 20))
+    entry = checksum_tree(tmp_path)["pages-1.img"]
+    assert entry.scheme == "sha256-of-64MiB-pieces"
+    shell = subprocess.run(["sh", "-c", "split -b 64M --filter='sha256sum | cut -c1-64 | tr -d \"\\n\"' \"$1\" "
+                            "| sha256sum | cut -c1-64", "sh", str(big)], capture_output=True, text=True, check=True)
+    assert shell.stdout.strip() == entry.digest
 
 
 def test_manifest_of_another_format_version_is_named(tmp_path: Path) -> None:
