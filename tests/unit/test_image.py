@@ -96,3 +96,12 @@ def test_manifest_of_another_format_version_is_named(tmp_path: Path) -> None:
     (image / "manifest.json").write_text('{"format_version": 2, "name": 5}')
     with pytest.raises(ImageFormatError, match="is malformed"):
         read_manifest(image)
+
+
+@pytest.mark.parametrize("host, url", [("127.0.0.1", "http://127.0.0.1:8000"), ("0.0.0.0", "http://127.0.0.1:8000"),
+                                       ("::1", "http://[::1]:8000"), ("::", "http://[::1]:8000"),
+                                       ("fe80::1", "http://[fe80::1]:8000"), ("localhost", "http://localhost:8000")])
+def test_server_urls_are_usable_ipv6_bracketed(host: str, url: str) -> None:
+    from vsnap._restore import server_url
+
+    assert server_url(host, 8000) == url
