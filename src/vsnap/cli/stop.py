@@ -26,7 +26,8 @@ def stop(
     image = str(Path(target).absolute())
     chosen = [r for r in running if target == r.id or image == r.image]
     if not chosen:
-        raise UnknownInstance(target, hint=f"running: {', '.join(r.id for r in running)} (vsnap ps shows them)")
+        ids = ", ".join(r.id for r in running[:5]) + (f" and {len(running) - 5} more" if len(running) > 5 else "")
+        raise UnknownInstance(target, hint=f"running: {ids} (vsnap ps shows them)")
     for record in chosen:
         _restore.stop_server(record)
     if as_json:
