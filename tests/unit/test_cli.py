@@ -116,10 +116,8 @@ def records() -> list:
     from vsnap._instances import InstanceRecord
 
     now = time.time()
-    fields = InstanceRecord.model_fields
-    identity = ({"owner": {"pid": 4242, "start_time": 1, "boot_id": "b"},
-                 "tree": {"pid": 1234567, "start_time": 2, "boot_id": "b"}, "state": "serving"}
-                if "owner" in fields else {"pid": 1234567})
+    identity = {"owner": {"pid": 4242, "start_time": 1, "boot_id": "b"},
+                "tree": {"pid": 1234567, "start_time": 2, "boot_id": "b"}, "state": "serving"}
     long = InstanceRecord(id="restore-1a2b3c4d", name="llama", url="http://[2001:db8::1234:5678]:65535", port=65535,
                           image="/var/lib/vsnap/images/meta-llama-3.1-8b-instruct-bf16-h200-with-a-long-name",
                           gpu="GPU-4ad1c6d3-1b5e-7f8a-9b0c-123456789abc", instance_dir="/run/x",
@@ -147,6 +145,19 @@ def test_ps_fits_80_columns(monkeypatch: pytest.MonkeyPatch) -> None:
     wrapped = "".join(line[column:].split(" ")[0] for line in lines[2:] if len(line) > column)
     assert long.image in wrapped and short.image in wrapped
     assert ":1234:" in text  # never an emoji code
+
+
+def test_ps_shows_restoring_and_gone_instances(monkeypatch: pytest.MonkeyPatch) -> None:
+    out = io.StringIO()
+    monkeypatch.setattr(_render, "stdout", Console(file=out, width=80, color_system=None, soft_wrap=True))
+    long, short = records()
+    restoring = short.model_copy(update={"id": "r-restor01", "state": "restoring", "tree": None, "url": ""})
+    monkeypatch.setattr(ps_cli, "_records", lambda: ([restoring], [long]))
+    assert invoke("ps").exit_code == 0
+    rows = {line.split()[0]: line for line in out.getvalue().splitlines() if line.startswith(("r-", "restore-"))}
+    assert rows["r-restor01"].rstrip().endswith("restoring") and rows["restore-1a2b3c4d"].rstrip().endswith("gone")
+    doc = document(invoke("ps", "--json"))
+    assert [r["id"] for r in doc["instances"]] == ["r-restor01"] and [r["id"] for r in doc["gone"]] == [long.id]
 
 
 def test_ps_json_keeps_the_full_record(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -51,8 +51,7 @@ def ps_table(running: Iterable[_instances.InstanceRecord], gone: Iterable[_insta
     table.add_column("pid", justify="right", no_wrap=True)
     table.add_column("up", justify="right", no_wrap=True)
     for record in running:
-        state = getattr(record, "state", "serving")
-        up = compact_duration(now - record.started_at) if state == "serving" else state
+        up = compact_duration(now - record.started_at) if record.state == "serving" else record.state
         table.add_row(Text(record.id), Text(record.image), short_gpu(record.gpu), Text(address(record.url)),
                       str(record.pid), up)
     for record in gone:  # plain Text: ids and paths are never read as markup or :emoji: codes
@@ -62,13 +61,9 @@ def ps_table(running: Iterable[_instances.InstanceRecord], gone: Iterable[_insta
 
 
 def _records() -> tuple[list[_instances.InstanceRecord], list[_instances.InstanceRecord]]:
-    """(running, gone): records whose processes ended or whose PID was reused are gone (shown once,
-    then pruned) where the instance registry can tell them apart."""
-    both = getattr(_instances, "instance_records", None)
-    if both is not None:
-        running, gone = both()
-        return list(running), list(gone)
-    return _instances.running_instances(), []
+    """(running, gone): a record whose processes ended or whose PID now belongs to another process
+    is gone: shown once, then pruned by the registry."""
+    return _instances.instance_records()
 
 
 @app.command(help="List restored instances: id, image, GPU, address, pid, uptime (or restoring, gone); "
