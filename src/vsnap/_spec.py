@@ -68,7 +68,14 @@ def _absolute_clean(value: str, what: str) -> str:
         raise ValueError(f"{what} must be an absolute path (got {value!r})")
     if ".." in path.parts:
         raise ValueError(f"{what} must not contain '..' (got {value!r})")
+    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+        raise ValueError(f"{what} must not contain control characters such as newlines (got {value!r})")
     return value
+
+
+# CRIU names the control directory's mount by its path in `--external mnt[PATH]:KEY`, and
+# /proc/PID/mountinfo escapes whitespace: a control directory is a plain path.
+_CONTROL_DIR_CHARS = re.compile(r"[A-Za-z0-9._@+=%/-]+")
 
 
 def _system_reason(path: str) -> str | None:
@@ -113,7 +120,12 @@ def _image_path(value: str | None) -> str | None:
 def _control_path(value: str | None) -> str | None:
     if value is None:
         return None
-    return refuse_system_path(_absolute_clean(value, "control_dir"), "the control directory",
+    _absolute_clean(value, "control_dir")
+    if not _CONTROL_DIR_CHARS.fullmatch(value):
+        bad = sorted({c for c in value if not _CONTROL_DIR_CHARS.fullmatch(c)})
+        raise ValueError(f"control_dir may hold only letters, digits and . _ @ + = % / - (not {''.join(bad)!r}): "
+                         "CRIU names its mount by this path")
+    return refuse_system_path(value, "the control directory",
                               f"vsnap makes it private and mounts over it; e.g. {DEFAULT_CONTROL_ROOT}/NAME")
 
 
@@ -312,14 +324,11 @@ def _directory_problems(data: Mapping[str, Any]) -> list[Problem]:
     image_at: Loc = ("image",) if data.get("image") is not None else ("name",)
     control_at: Loc = ("snapshot", "control_dir") if snapshot.get("control_dir") is not None else ("name",)
     problems = []
-    if control is not None:
-        from ._instances import RUNTIME_DIR  # the registry of running instances
-
-        registry = str(RUNTIME_DIR / "instances")
-        if _inside(control, registry) or _inside(registry, control):
-            problems.append(Problem(("snapshot", "control_dir"), control_at,
-                                    f"{control} would hold vsnap's registry of running instances ({registry}); "
-                                    "choose another control_dir (or name)"))
+    for field, where, path in ((("image",), image_at, image), (("snapshot", "control_dir"), control_at, control)):
+        for what, state in _state_dirs():
+            if path is not None and (_inside(path, state) or _inside(state, path)):
+                problems.append(Problem(field, where, f"{path} would hold vsnap's {what} ({state}); "
+                                        f"choose another {_dotted(field)} (or name)"))
     if image is not None and control is not None and (
             _inside(image, control) or _inside(control, image) or _inside(image, control + ".instances")):
         problems.append(Problem(("image",), image_at, f"{image} and the control directory {control} overlap; "
@@ -329,6 +338,17 @@ def _directory_problems(data: Mapping[str, Any]) -> list[Problem]:
         problems.append(Problem(("image",), image_at, f"{image} holds the model {model}; a capture with --force "
                                 "would delete it: put the image elsewhere"))
     return problems
+
+
+def _state_dirs() -> list[tuple[str, str]]:
+    """vsnap's own state, which no image or control directory may hold (a capture with --force
+    would replace it, a control directory would be mounted over it)."""
+    from ._instances import RUNTIME_DIR
+    from ._verified import VERIFIED_DIR
+
+    return [("registry of running instances", str(RUNTIME_DIR / "instances")),
+            ("records of running captures", str(RUNTIME_DIR / "captures")),
+            ("cache of verified image files", str(VERIFIED_DIR))]
 
 
 def _file_problems(data: Mapping[str, Any]) -> list[Problem]:

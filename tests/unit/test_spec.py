@@ -297,6 +297,21 @@ def test_control_dir_never_the_instance_registry(tmp_path: Path) -> None:
                                "vsnap's registry of running instances")
 
 
+@pytest.mark.parametrize("path,what", [("/run/vsnap/instances", "registry of running instances"),
+                                       ("/run/vsnap/captures/x", "records of running captures"),
+                                       ("/run/vsnap/verified", "cache of verified image files")])
+def test_image_never_holds_vsnap_state(tmp_path: Path, path: str, what: str) -> None:
+    found = issues(tmp_path, f"name: a\nengine: cpu\nimage: {path}\n")
+    assert found == [f"{tmp_path}/model.yaml:3:1 image: {path} would hold vsnap's {what} "
+                     f"({path.removesuffix('/x')}); choose another image (or name)"]
+
+
+def test_path_characters(tmp_path: Path) -> None:
+    found = issues(tmp_path, 'name: a\nengine: cpu\nimage: "/srv/a\\nb"\nsnapshot:\n  control_dir: "/srv/c]:m0"\n')
+    assert "image: image must not contain control characters" in found[0]
+    assert "snapshot.control_dir: control_dir may hold only letters, digits" in found[1] and "':]'" in found[1]
+
+
 def test_command_line_overrides_pass_the_same_checks(tmp_path: Path) -> None:
     with pytest.raises(SpecError) as info:
         load_spec(write(tmp_path, "name: a\nengine: cpu\nimage: /srv/a\n"), overrides={"image": "/etc"})
