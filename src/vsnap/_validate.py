@@ -31,9 +31,18 @@ class ValidationReport:
 def validate_target(target: Path | None) -> ValidationReport:
     if target is None:
         return ValidationReport(None, "host", preflight(None))
-    if target.is_dir() or (target / MANIFEST).exists():
+    if _looks_like_image(target):
         return _validate_image(target)
     return _validate_spec(target)
+
+
+def _looks_like_image(target: Path) -> bool:
+    """A directory (or a path with a manifest) is an image; anything else, even a path that cannot
+    be looked at (too long, no permission), is read as a spec, whose loader says what is wrong."""
+    try:
+        return target.is_dir() or (target / MANIFEST).exists()
+    except OSError:
+        return False
 
 
 def _validate_spec(path: Path) -> ValidationReport:

@@ -222,3 +222,10 @@ def test_capture_refuses_a_system_directory_given_with_image(tmp_path: Path) -> 
     doc = document(result)
     assert doc["error"] == "SpecError" and doc["issues"][0]["field"] == "image"
     assert doc["issues"][0]["message"].startswith("/etc is a system directory")
+
+
+def test_a_path_that_cannot_be_looked_at_is_an_error_line(tmp_path: Path) -> None:
+    result = invoke("validate", "a" * 5000)  # is_dir() raised ENAMETOOLONG: a traceback
+    assert result.exit_code == 2 and "cannot be read: File name too long" in result.stderr
+    assert "Traceback" not in result.stderr
+

@@ -23,7 +23,7 @@ def inspect(
     if as_json:
         _render.print_json("inspect", {"image": str(image), "manifest": manifest.model_dump(mode="json")})
         return
-    table = Table(title=f"image {image}", title_justify="left", show_header=False)
+    table = Table(title=escape(f"image {image}"), title_justify="left", show_header=False)
     table.add_column("key")
     table.add_column("value", overflow="fold")
     h = manifest.host
