@@ -14,10 +14,11 @@ from ..protocol.errors import UsageError, VsnapError
 from . import _render
 
 EXIT_CODES_HELP = """
-Exit codes: 0 ok · 1 error · 2 bad model.yaml or usage · 3 host not ready (CRIU, root, port) ·
-4 image missing, altered, untrusted or from another host · 5 checkpoint/restore failed ·
-6 engine failed · 7 oracle mismatch after restore · 8 unsafe control file · 9 nothing running ·
-10 no such instance · 11 option not supported here · 130 interrupted.
+Exit codes: 0 ok · 1 error · 2 bad model.yaml or usage · 3 host not ready
+(CRIU, root, port) · 4 image missing, altered, untrusted or from another
+host · 5 checkpoint/restore failed · 6 engine failed · 7 oracle mismatch
+after restore · 8 unsafe control file · 9 nothing running · 10 no such
+instance · 11 option not supported here · 130 interrupted.
 """
 
 
