@@ -27,7 +27,7 @@ import os
 import re
 import stat
 from pathlib import Path, PurePosixPath
-from typing import Annotated, Any, Literal, Mapping, NamedTuple
+from typing import Annotated, Any, Literal, Mapping, NamedTuple, Sequence
 
 import yaml
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo,
@@ -526,7 +526,7 @@ def _locate(loc: Loc, positions: dict[Loc, Position]) -> Position | None:
     return None
 
 
-def spec_from_data(data: Any, positions: dict[Loc, Position], file: str, *, bad_values: list[BadValue] = (),
+def spec_from_data(data: Any, positions: dict[Loc, Position], file: str, *, bad_values: Sequence[BadValue] = (),
                    from_command_line: frozenset[str] = frozenset(), check_files: bool = False) -> ModelSpec:
     """Validate parsed data: field errors, the cross-field rules and (``check_files``) the files the
     spec names, all of them in one SpecError in file order, each at its own line. ``bad_values``
