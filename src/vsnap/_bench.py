@@ -3,66 +3,242 @@
 * cold start to first token: the engine tree launched in "serve" mode (the same code, without the
   snapshot work), from launch to the first HTTP completion; "fully cold" with an empty compile
   cache, then "warm cache" reusing it (vLLM; the cpu engine has no compile cache);
-* capture: `capture_image()` of the spec, with the warm cache;
+* capture: `capture_image()` of the spec, with the warm cache, into an image of the bench's own;
 * restore to first token: `restore_image()` plus the first completion, ``runs`` times;
+* equal outputs: BENCH_PROMPTS prompts x BENCH_TOKENS greedy tokens, sent one at a time to the
+  fully cold start, the first warm cold start and the first restore, token ids and logprobs
+  compared (restored vs cold is the result; cold vs cold says how far the engine agrees with itself);
 * floor: the image's CRIU bytes over this disk's measured read bandwidth (8 threads, page cache as
   it is), plus the weight bytes over the slower of that bandwidth and the measured host-to-device
   bandwidth (vLLM: pinned copies in a CUDA subprocess; cpu: the read bandwidth).
+
+The spec's own image and control directory are never touched: the bench works in two private
+directories beside them (``.<image name>.bench-XXXX`` next to the image: the bench image and the
+compile cache; ``.<control name>.bench-XXXX`` next to the control directory: the trees' control
+and instance directories) and removes both, every tree it started, every restored server and
+every /dev/shm directory on every exit path. A failed bench first copies its engine and CRIU
+logs to ``out_dir`` (the error then names the copy).
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import json
+import math
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+from . import _verified as verified
 from .protocol import control
-from ._capture import capture_image, launch_config, resolve_model, tree_environment
+from .protocol.errors import EngineError, VsnapError
+from ._capture import capture_image, end_launched_tree, launch_config, resolve_model, tree_environment
+from ._cleanup import Cleanup
 from ._events import ProgressCallback, Timings
 from ._host import host_facts, require_host
+from ._image import check_parent
 from ._instances import new_instance_dir
-from ._manifest import WEIGHTS_DIR
-from ._proctree import kill_tree, launch_tree
-from ._restore import _wait_status, hand_over_listener, restore_image, stop_server
+from ._manifest import ENGINE_LOG, WEIGHTS_DIR
+from ._proctree import launch_tree
+from ._restore import RestoredServer, _wait_status, hand_over_listener, restore_image, stop_server
 from ._shm import instance_shm_dir, remove_instance_shm
 from ._spec import ModelSpec
 
+BENCH_PROMPTS = 32
+BENCH_TOKENS = 16
+REQUEST_TIMEOUT_S = 300
+NOTE_PREFIX = "vsnap:"  # the engine's own log lines worth keeping in the record
+
+Completion = tuple[list[int], list[float]]  # token ids, the logprob of each
+
+
+def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    request = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as response:
+            return dict(json.load(response))
+    except (OSError, ValueError) as exc:  # URLError and HTTPError are OSErrors
+        raise EngineError("bench", "RequestFailed", f"POST {url}/v1/completions failed: {exc}") from None
+
 
 def first_token(url: str, model: str) -> None:
-    body = json.dumps({"model": model, "prompt": "Hello", "max_tokens": 1, "temperature": 0}).encode()
-    request = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"content-type": "application/json"})
-    with urllib.request.urlopen(request, timeout=300) as response:
-        json.load(response)["choices"][0]
+    _post(url, {"model": model, "prompt": "Hello", "max_tokens": 1, "temperature": 0})["choices"][0]
 
 
-def cold_start(spec: ModelSpec, env_extra: dict[str, str]) -> float:
-    """Launch → first token of a plain engine (no snapshot work)."""
-    control_dir = control.ensure_private_dir(Path(f"{spec.control_dir}-bench"))
-    instance_id, work = new_instance_dir(control_dir, "cold")
-    launch = launch_config(spec, resolve_model(spec)).model_copy(update={"mode": "serve"})
-    control.write_message(work, control.LAUNCH, launch)
-    shm = instance_shm_dir(instance_id)
-    env = {**tree_environment(control_dir, work, spec.engine), **env_extra}
-    heartbeat = control.OwnerHeartbeat(work).start()
-    start = time.monotonic()
-    tree = launch_tree(control_dir, work, shm, env)
+def bench_prompts(n: int = BENCH_PROMPTS) -> list[str]:
+    """``n`` different short prompts, the same in every run."""
+    subjects = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 5, 8,", "Once upon a time",
+                "The weather today", "import numpy as np", "Dear Sir or Madam,", "SELECT * FROM"]
+    return [f"{subjects[i % len(subjects)]} ({i})" for i in range(n)]
+
+
+def parse_completion(choice: dict[str, Any]) -> Completion:
+    """Token ids and their logprobs from one completion choice: the ids from ``token_ids`` (the
+    cpu engine, vLLM with return_token_ids) or from vLLM's ``token_id:N`` logprob tokens
+    (return_tokens_as_token_ids), the logprobs from ``logprobs.token_logprobs``."""
+    logprobs = choice.get("logprobs") or {}
+    ids = choice.get("token_ids")
+    if not isinstance(ids, list):
+        tokens = logprobs.get("tokens") or []
+        try:
+            ids = [int(str(t).removeprefix("token_id:")) for t in tokens]
+        except ValueError:
+            raise EngineError("bench", "NoTokenIds", f"the completion has no token ids (tokens {tokens[:3]}...)") from None
+    values = [float("nan") if v is None else float(v) for v in logprobs.get("token_logprobs") or []]
+    return [int(t) for t in ids], values
+
+
+def completions(url: str, model: str, prompts: list[str], max_tokens: int = BENCH_TOKENS) -> list[Completion]:
+    """Greedy completions of each prompt, one request at a time (the same batches on every server)."""
+    out = []
+    for prompt in prompts:
+        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 1,
+                "ignore_eos": True, "return_tokens_as_token_ids": True}
+        out.append(parse_completion(_post(url, body)["choices"][0]))
+    return out
+
+
+def compare_outputs(expected: list[Completion], actual: list[Completion]) -> dict[str, Any]:
+    """Per prompt, the first position where the token ids differ (a shorter output differs where
+    it ends); the largest |logprob difference| over the positions before that (after it the two
+    continue from different tokens). A NaN logprob on either side counts as a differing token."""
+    if len(expected) != len(actual):
+        raise ValueError(f"{len(expected)} completions to compare with {len(actual)}")
+    mismatches, worst, tokens = [], 0.0, 0
+    for index, ((ids_a, lps_a), (ids_b, lps_b)) in enumerate(zip(expected, actual)):
+        tokens += len(ids_a)
+        first = next((p for p, (a, b) in enumerate(zip(ids_a, ids_b)) if a != b), None)
+        if first is None and len(ids_a) != len(ids_b):
+            first = min(len(ids_a), len(ids_b))
+        end = len(ids_a) if first is None else first
+        for position in range(min(end, len(lps_a), len(lps_b))):
+            a, b = lps_a[position], lps_b[position]
+            if math.isnan(a) or math.isnan(b):
+                first = position if first is None else min(first, position)
+                break
+            worst = max(worst, abs(a - b))
+        if first is not None:
+            mismatches.append({"prompt": index, "position": first})
+    return {"prompts": len(expected), "tokens": tokens, "mismatched_prompts": len(mismatches),
+            "first_mismatch_position": min((m["position"] for m in mismatches), default=None),
+            "max_logprob_diff": worst, "mismatches": mismatches}
+
+
+def engine_notes(log: Path, limit: int = 40) -> list[str]:
+    """The engine's own ``vsnap:`` lines from one of its logs (what the record keeps of it)."""
     try:
-        _wait_status(work, tree.root_pid, ("validated",), "boot engine", work / control.ENGINE_LOG)
-        status = hand_over_listener(work, tree.root_pid, "127.0.0.1", 0, work / control.ENGINE_LOG)
-        first_token(f"http://127.0.0.1:{status.detail['port']}", spec.served_model_name)
-        return time.monotonic() - start
-    finally:
-        heartbeat.stop()
-        kill_tree(tree.root_pid)
-        tree.unshare.wait()
-        remove_instance_shm(shm)
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    return [line[:400] for line in lines if line.startswith(NOTE_PREFIX)][-limit:]
+
+
+@dataclass(frozen=True)
+class BenchDirs:
+    """What the bench works in; both directories are removed when it ends."""
+
+    image_work: Path  # beside the spec's image: the bench image, the compile cache
+    control_work: Path  # beside the spec's control directory: control and instance directories
+
+    @property
+    def image(self) -> Path:
+        return self.image_work / "image"
+
+    @property
+    def cache(self) -> Path:
+        return self.image_work / "cache"
+
+    @property
+    def control(self) -> Path:
+        return self.control_work / "c"  # short: vLLM's IPC sockets live under it
+
+    @property
+    def instances(self) -> Path:
+        return Path(f"{self.control}.instances")
+
+
+def make_bench_dirs(spec: ModelSpec, cleanup: Cleanup) -> BenchDirs:
+    """Two new private directories beside the spec's image and control directory, each removed on exit."""
+    check_parent(spec.image_dir)
+    image_work = Path(tempfile.mkdtemp(prefix=f".{spec.image_dir.name}.bench-", dir=spec.image_dir.parent))
+    cleanup.on_exit(shutil.rmtree, image_work, True)
+    spec.control_dir.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    control_work = Path(tempfile.mkdtemp(prefix=f".{spec.control_dir.name}.bench-", dir=spec.control_dir.parent))
+    cleanup.on_exit(shutil.rmtree, control_work, True)
+    dirs = BenchDirs(image_work, control_work)
+    dirs.cache.mkdir(mode=0o700)
+    return dirs
+
+
+def bench_spec(spec: ModelSpec, dirs: BenchDirs) -> ModelSpec:
+    """The spec with the bench's own image and control directory."""
+    return spec.model_copy(update={"image": str(dirs.image),
+                                   "snapshot": spec.snapshot.model_copy(update={"control_dir": str(dirs.control)})})
+
+
+@dataclass(frozen=True)
+class ColdStart:
+    seconds: float  # launch to the first token
+    outputs: list[Completion]  # what while_up returned, if it was given
+    instance_id: str
+
+
+def cold_start(spec: ModelSpec, env_extra: dict[str, str],
+               while_up: Callable[[str], list[Completion]] | None = None) -> ColdStart:
+    """Launch -> first token of a plain engine (no snapshot work); then ``while_up(url)``, if given,
+    while it still serves. The tree, its /dev/shm directory and (unless it failed) its instance
+    directory are released."""
+    control_dir = control.ensure_private_dir(spec.control_dir)
+    instance_id, work = new_instance_dir(control_dir, "cold")
+    log = work / control.ENGINE_LOG
+    with Cleanup() as cleanup:
+        cleanup.on_success(shutil.rmtree, work, True)  # a failed one keeps it: the logs its error names
+        launch = launch_config(spec, resolve_model(spec)).model_copy(update={"mode": "serve"})
+        control.write_message(work, control.LAUNCH, launch)
+        shm = instance_shm_dir(instance_id)
+        cleanup.on_exit(remove_instance_shm, shm)
+        env = {**tree_environment(control_dir, work, spec.engine), **env_extra}
+        heartbeat = control.OwnerHeartbeat(work).start()
+        cleanup.on_exit(heartbeat.stop)
+        start = time.monotonic()
+        tree = launch_tree(control_dir, work, shm, env)
+        cleanup.on_exit(end_launched_tree, tree)
+        _wait_status(work, tree.root_pid, ("validated",), "boot engine", log)
+        status = hand_over_listener(work, tree.root_pid, "127.0.0.1", 0, log)
+        url = f"http://127.0.0.1:{status.detail['port']}"
+        first_token(url, spec.served_model_name)
+        seconds = time.monotonic() - start
+        return ColdStart(seconds, while_up(url) if while_up is not None else [], instance_id)
+
+
+def keep_evidence(error: BaseException, dirs: BenchDirs, out_dir: Path | None, stem: str) -> None:
+    """Before the bench's directories go: copy every log in them to OUT_DIR/STEM-failed/ and
+    point the error at the copy of the log it names."""
+    if out_dir is None:
+        return
+    kept = out_dir / f"{stem}-failed"
+    copies: dict[str, Path] = {}
+    for root in (dirs.control_work, dirs.image_work):
+        for log in sorted(root.rglob("*.log")):
+            if log.is_symlink() or not log.is_file() or dirs.cache in log.parents:
+                continue
+            kept.mkdir(parents=True, exist_ok=True)
+            copy = kept / "-".join(log.relative_to(root).parts[-2:])
+            try:
+                shutil.copyfile(log, copy)
+            except OSError:
+                continue
+            copies[str(log)] = copy
+    if isinstance(error, VsnapError) and error.log_path and str(error.log_path) in copies:
+        error.log_path = str(copies[str(error.log_path)])
 
 
 def read_bandwidth(paths: list[Path], threads: int = 8, piece: int = 32 << 20) -> float:
@@ -126,27 +302,67 @@ def run_bench(spec: ModelSpec, *, runs: int = 3, cold_runs: int | None = None, l
     with timings.phase("preflight"):
         require_host(spec.engine)
         model_dir = resolve_model(spec)
-    cache = Path(tempfile.mkdtemp(prefix="vsnap-bench-cache-"))
-    cache_env = {"VLLM_CACHE_ROOT": str(cache)} if spec.engine == "vllm" else {}
+    stem = f"bench-{spec.name}-{dt.date.today().isoformat()}" + ("-lazy-pages" if lazy_pages else "")
+    prompts = bench_prompts()
+
+    def outputs(url: str) -> list[Completion]:
+        return completions(url, spec.served_model_name, prompts)
+
+    with Cleanup() as cleanup:
+        dirs = make_bench_dirs(spec, cleanup)
+        own = bench_spec(spec, dirs)
+        cleanup.on_exit(verified.forget, dirs.image)  # capture and restores remember what they hashed
+        servers: list[RestoredServer] = []
+
+        def stop_all() -> None:
+            while servers:
+                stop_server(servers.pop())
+
+        cleanup.on_exit(stop_all)
+        try:
+            record = _measure(spec, own, dirs, model_dir, runs, cold_runs, lazy_pages, timings, outputs, servers)
+        except BaseException as error:
+            keep_evidence(error, dirs, out_dir, stem)
+            raise
+    record["work"] = {**record["work"], "image_work": str(dirs.image_work), "control_work": str(dirs.control_work),
+                      "removed": not dirs.image_work.exists() and not dirs.control_work.exists()}
+    if out_dir is not None:
+        write_record(record, out_dir, stem)
+    return record
+
+
+def _measure(spec: ModelSpec, own: ModelSpec, dirs: BenchDirs, model_dir: Path, runs: int, cold_runs: int | None,
+             lazy_pages: bool, timings: Timings, outputs: Callable[[str], list[Completion]],
+             servers: list[RestoredServer]) -> dict[str, Any]:
+    cache_env = {"VLLM_CACHE_ROOT": str(dirs.cache)} if spec.engine == "vllm" else {}
     with timings.phase("cold start (fully cold)"):
-        fully_cold = cold_start(spec, cache_env)
-    warm = []
+        cold = [cold_start(own, cache_env, outputs)]
     for n in range(cold_runs or max(1, runs - 1)):
         with timings.phase(f"cold start (warm cache) #{n + 1}"):
-            warm.append(cold_start(spec, cache_env))
+            cold.append(cold_start(own, cache_env, outputs if n == 0 else None))
+    fully_cold, warm = cold[0].seconds, [c.seconds for c in cold[1:]]
     start = time.monotonic()
     with timings.phase("capture"):
-        captured = capture_image(spec, force=True, env=cache_env)  # with the warm cache too
+        captured = capture_image(own, env=cache_env)  # with the warm cache too
     capture_s = time.monotonic() - start
-    restores, phases, sources = [], [], set()
+    notes = {"capture": engine_notes(captured.image_dir / ENGINE_LOG)}
+    restores, phases, sources, instances = [], [], set(), [c.instance_id for c in cold]
+    restored_outputs: list[Completion] = []
     for n in range(runs):
         with timings.phase(f"restore to first token #{n + 1}"):
             start = time.monotonic()
             server = restore_image(captured.image_dir, port=0, lazy_pages=lazy_pages)
+            servers.append(server)
+            instances.append(server.instance_id)
             first_token(server.url, spec.served_model_name)
             restores.append(time.monotonic() - start)
+        if n == 0:
+            with timings.phase("outputs of the restored server"):
+                restored_outputs = outputs(server.url)
+            notes["restore"] = engine_notes(server.engine_log)
         phases.append({**server.timings, **{f"engine {k}": v for k, v in server.recovery.items() if k.endswith("_s")}})
         sources.add(server.weights_source)
+        servers.remove(server)
         stop_server(server)
     image_files = [captured.image_dir / rel for rel in captured.manifest.files]
     weights_file = [p for p in image_files if p.parent.name == WEIGHTS_DIR]
@@ -162,7 +378,7 @@ def run_bench(spec: ModelSpec, *, runs: int = 3, cold_runs: int | None = None, l
     facts = host_facts(spec.engine)
     cold_median = statistics.median(warm)
     restore_median = statistics.median(restores)
-    record: dict[str, Any] = {
+    return {
         "date": dt.date.today().isoformat(),
         "command": f"vsnap bench SPEC --runs {runs}" + (f" --cold-runs {cold_runs}" if cold_runs else "")
                    + (" --lazy-pages" if lazy_pages else ""),
@@ -188,10 +404,14 @@ def run_bench(spec: ModelSpec, *, runs: int = 3, cold_runs: int | None = None, l
         "phases": _median_phases(phases),
         "floor_s": floor,
         "floor_inputs": {"image_read_bytes_per_s": disk_bw, "h2d_bytes_per_s": h2d_bw},
+        "outputs": {"max_tokens": BENCH_TOKENS, "greedy": True,
+                    "restored_vs_cold": {"expected": "warm cold start #1", "actual": "restore #1",
+                                         **compare_outputs(cold[1].outputs, restored_outputs)},
+                    "cold_vs_cold": {"expected": "fully cold start", "actual": "warm cold start #1",
+                                     **compare_outputs(cold[0].outputs, cold[1].outputs)}},
+        "engine_notes": notes,
+        "work": {"instances": instances},
     }
-    if out_dir is not None:
-        write_record(record, out_dir, f"bench-{spec.name}-{record['date']}" + ("-lazy-pages" if lazy_pages else ""))
-    return record
 
 
 def write_record(record: dict[str, Any], out_dir: Path, stem: str) -> Path:
@@ -218,6 +438,17 @@ def write_record(record: dict[str, Any], out_dir: Path, stem: str) -> Path:
                   f"{proc['gpu_bytes'] / 1e6:.0f} MB |" if "gpu_bytes" in proc else
                   f"| `{proc['command'][:50]}` | {proc['anonymous_bytes'] / 1e6:.0f} MB | - |"
                   for proc in record["processes"]]
+    if record.get("outputs"):
+        lines += ["", f"Equal outputs ({BENCH_PROMPTS} prompts x {record['outputs']['max_tokens']} greedy tokens, "
+                      "token ids compared; logprobs before the first differing token):", "",
+                  "| servers | prompts that differ | first differing position | largest logprob difference |",
+                  "|---|---|---|---|"]
+        for key in ("restored_vs_cold", "cold_vs_cold"):
+            c = record["outputs"].get(key)
+            if c:
+                position = "-" if c["first_mismatch_position"] is None else c["first_mismatch_position"]
+                lines.append(f"| {c['actual']} vs {c['expected']} | {c['mismatched_prompts']} of {c['prompts']} | "
+                             f"{position} | {c['max_logprob_diff']:.3g} |")
     png = out_dir / f"{stem}.png"
     if plot(record, png):
         lines += ["", f"![restore vs cold start]({png.name})"]

@@ -13,8 +13,9 @@ from . import app, error_boundary
 
 
 @app.command(help="Measure, in one run: cold start to first token (fully cold and with a warm compile cache), "
-                  "capture, restore to first token (repeated), the per-phase breakdown and the floor. "
-                  "Writes JSON, markdown and a plot to --out.")
+                  "capture, restore to first token (repeated), the per-phase breakdown, the floor, and whether "
+                  "the restored server answers as the cold one did. Works on an image of its own (the spec's "
+                  "image is not touched) and removes it. Writes JSON, markdown and a plot to --out.")
 @error_boundary
 def bench(
     spec: Path = typer.Argument(..., help="model.yaml"),
@@ -34,9 +35,11 @@ def bench(
     if as_json:
         _render.print_json("bench", record)
         return
+    same = record["outputs"]["restored_vs_cold"]
     _render.stdout.print(_render.timing_table(
         f"restore to first token {record['restore_to_first_token_s_median']:.2f} s (median of {runs}) vs cold start "
         f"{record['cold_start_to_first_token_s_median']:.2f} s ({record['speedup_vs_warm_cold_start']:.1f}x); "
-        f"floor {record['floor_s']:.2f} s",
+        f"floor {record['floor_s']:.2f} s; outputs: {same['mismatched_prompts']} of {same['prompts']} prompts differ "
+        f"from the cold start (largest logprob difference {same['max_logprob_diff']:.3g})",
         {k: v for k, v in record["phases"].items() if not k.startswith("engine ")},
         {k.removeprefix("engine "): v for k, v in record["phases"].items() if k.startswith("engine ")}))
