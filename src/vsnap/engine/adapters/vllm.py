@@ -11,6 +11,7 @@ serve(): vLLM's own OpenAI app on the socket bound after activation.
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import socket
 import time
@@ -28,6 +29,12 @@ from .base import EngineAdapter
 def _refuse(phase: str, refusals: list[vllm_rules.Refusal]) -> EngineError:
     return EngineError(phase, "UnsupportedConfiguration", "; ".join(map(str, refusals)),
                        hint="vsnap validate SPEC names each refused argument")
+
+
+def _report(values: dict[str, Any]) -> str:
+    """Byte counts in MB, for the engine log."""
+    return ", ".join(f"{k.removesuffix('_bytes')} {v / 1e6:.1f} MB" if k.endswith("_bytes") else f"{k} {v}"
+                     for k, v in values.items())
 
 
 class VllmAdapter(EngineAdapter):
@@ -57,8 +64,10 @@ class VllmAdapter(EngineAdapter):
             raise _refuse("build engine", refusals)
         validate_parsed_serve_args(args)
         args.served_model_name = [self.launch.served_model_name]
-        if self.launch.weights_dir and not args.worker_extension_cls:  # a user's extension wins
+        if not args.worker_extension_cls:  # a user's extension wins (then: no weights file, vLLM's graph pool)
             args.worker_extension_cls = vllm_weights.EXTENSION
+            # the worker, spawned below, captures its CUDA graphs into the sleep allocator
+            os.environ.setdefault(vllm_weights.GRAPH_POOL_ENV, "sleep")
         self.args = args
         engine_args = AsyncEngineArgs.from_cli_args(args)
         config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
@@ -93,7 +102,14 @@ class VllmAdapter(EngineAdapter):
         return Oracle(samples=samples)
 
     async def _sleep(self) -> None:
+        """Sleep level 2, then release what the next wake rebuilds by itself. The rehearsal runs
+        this too, so a restore wakes from exactly the state the capture checkpointed."""
+        ours = self.args.worker_extension_cls == vllm_weights.EXTENSION
+        tagged = await self._rpc("vsnap_before_sleep") if ours else {}
         await self.engine.sleep(level=2)
+        if ours:
+            released = await self._rpc("vsnap_release_memory")
+            print(f"vsnap: after sleep: {_report({**tagged, **released})}", flush=True)
 
     async def _rpc(self, method: str, *args: Any) -> dict[str, Any]:
         results = await self.engine.collective_rpc(method, args=args)
@@ -169,9 +185,6 @@ class VllmAdapter(EngineAdapter):
         from vllm.utils.gc_utils import freeze_gc_heap
 
         freeze_gc_heap()
-        if self.args.worker_extension_cls == vllm_weights.EXTENSION:
-            released = await self._rpc("vsnap_release_memory")
-            print(f"vsnap: before the checkpoint: {released}", flush=True)
         return oracle
 
     def _drop_weights_file(self, why: str) -> None:

@@ -31,6 +31,11 @@ from ..heap import release_heap
 CHUNK = 32 << 20  # bytes read and copied at a time by one thread
 THREADS = 8  # readers (H200 host, 8B: 8 read 17.6 GB/s from the page cache, 12 read 15.6 GB/s); each owns two pinned buffers (one read into while the other is copied)
 EXTENSION = f"{__name__}.WeightsFileExtension"
+# The CUDA graph pool's allocations in vLLM's sleep-mode allocator carry the KV cache's tag: vLLM
+# discards that memory at sleep and maps fresh memory at the same addresses at wake, which is what
+# scratch memory needs (see route_graph_pool_to_sleep_allocator).
+GRAPH_POOL_TAG = "kv_cache"
+GRAPH_POOL_ENV = "VSNAP_GRAPH_POOL"  # "sleep": the worker routes the pool when it imports this module
 
 
 @dataclass(frozen=True)
@@ -165,6 +170,118 @@ def stream_into(path: Path, segments: list[Segment], targets: list[Any], *, thre
     return {"weights_bytes": float(total), "weights_load_s": seconds, "weights_gb_per_s": total / max(seconds, 1e-9) / 1e9}
 
 
+def route_graph_pool_to_sleep_allocator() -> bool:
+    """Let vLLM's CUDA graphs capture into a memory pool of its sleep-mode allocator (this process).
+
+    Why: at sleep level 2 vLLM unmaps the weights and the KV cache, but the memory its CUDA graphs
+    were captured into (activations between layers, cuBLAS workspaces) stays, so the CUDA
+    checkpoint copies it to the host, CRIU writes it into the image and reads it back, and the CUDA
+    restore copies it to the GPU again, at every restore. It is scratch: each replay writes it
+    before it reads it. In a pool of vLLM's CuMemAllocator (tagged like the KV cache by
+    tag_graph_pool) sleep unmaps it and wake maps fresh memory at the same addresses, so the graphs
+    stay valid. The capture's rehearsal (sleep, wake, oracle) runs this path before any image is
+    written.
+
+    Replaces vLLM 0.26's ``Platform.get_global_graph_pool`` (the pool every CUDAGraphWrapper
+    captures into) with one that, once the sleep allocator holds the weights, makes the pool
+    there; otherwise vLLM's own pool. Returns False when this vLLM lacks what it patches.
+    """
+    try:
+        import torch
+        from vllm.device_allocator import cumem
+        from vllm.platforms import current_platform
+    except ImportError:
+        return False
+    platform = type(current_platform)
+    if getattr(platform, "_vsnap_graph_pool_routed", False):
+        return True
+    if not hasattr(platform, "get_global_graph_pool") or not hasattr(platform, "_global_graph_pool") \
+            or not getattr(cumem, "cumem_available", False):
+        return False
+
+    def get_global_graph_pool(self: Any) -> Any:
+        cls = type(self)
+        if cls._global_graph_pool is None:
+            allocator = cumem.CuMemAllocator.instance
+            if allocator is not None and "weights" in allocator.allocator_and_pools:
+                plug = cumem.get_pluggable_allocator(allocator.python_malloc_callback,
+                                                     allocator.python_free_callback)
+                pool = torch.cuda.memory.MemPool(plug._allocator)
+                allocator.allocator_and_pools["vsnap_cudagraph_pool"] = (pool, plug)  # kept alive with the others
+                cls._global_graph_pool = pool.id
+            else:
+                cls._global_graph_pool = self.graph_pool_handle()
+        return cls._global_graph_pool
+
+    platform.get_global_graph_pool = get_global_graph_pool
+    platform._vsnap_graph_pool_routed = True
+    return True
+
+
+def tag_graph_pool() -> int:
+    """Give the CUDA graph pool's allocations the KV cache's tag; returns their bytes.
+
+    The sleep allocator tags an allocation with the tag of the ``use_memory_pool`` block it is
+    made in; the graph pool is allocated outside any (during capture), so its allocations carry the
+    allocator's default tag, which vLLM discards at sleep but never maps again at wake. Every
+    allocation of that tag is the graph pool's: vLLM makes all its own inside tagged blocks.
+    """
+    try:
+        from vllm.device_allocator import cumem
+    except ImportError:
+        return 0
+    allocator = cumem.CuMemAllocator.instance
+    if allocator is None:
+        return 0
+    for ptr, data in allocator.pointer_to_data.items():
+        if data.tag == cumem.CuMemAllocator.default_tag:
+            data.tag = GRAPH_POOL_TAG
+            _graph_pool_pointers.add(ptr)
+    return sum(int(data.handle[1]) for ptr, data in allocator.pointer_to_data.items() if ptr in _graph_pool_pointers)
+
+
+_graph_pool_pointers: set[int] = set()  # the sleep allocator's allocations that tag_graph_pool retagged
+
+
+def device_memory_report() -> dict[str, float]:
+    """What holds this process's GPU memory: the device's used bytes and torch's segments by pool.
+
+    Pools: the sleep allocator's (weights and KV cache: unmapped while asleep, so not counted as
+    held), torch's default pool, and the rest (CUDA graph pools); what no pool explains is the
+    CUDA context, loaded kernels, cuBLAS handles and the graphs' own executable state.
+    """
+    import torch
+
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    cumem_tags: dict[int, str] = {}  # the sleep allocator's allocations: tag, or "asleep" while unmapped
+    try:
+        from vllm.device_allocator import cumem
+
+        allocator = cumem.CuMemAllocator.instance
+        if allocator is not None:
+            cumem_tags = {ptr: "asleep" if data.is_asleep else data.tag
+                          for ptr, data in allocator.pointer_to_data.items()}
+    except ImportError:
+        pass
+    pools: dict[str, float] = {"default_pool_bytes": 0.0, "default_pool_active_bytes": 0.0,
+                               "graph_pool_bytes": 0.0, "sleeping_bytes": 0.0}
+    for segment in torch.cuda.memory_snapshot():
+        size = float(segment["total_size"])
+        tag = cumem_tags.get(segment["address"])
+        if tag == "asleep":
+            pools["sleeping_bytes"] += size
+        elif tag is not None:
+            pools[f"awake_{tag}_bytes"] = pools.get(f"awake_{tag}_bytes", 0.0) + size
+        elif tuple(segment.get("segment_pool_id", (0, 0))) == (0, 0):
+            pools["default_pool_bytes"] += size
+            pools["default_pool_active_bytes"] += float(segment.get("active_size", 0))
+        else:
+            pools["graph_pool_bytes"] += size
+    held = sum(v for k, v in pools.items() if k.endswith("_bytes") and k not in ("sleeping_bytes", "default_pool_active_bytes"))
+    return {"gpu_used_bytes": float(total - free), **pools, "unpooled_bytes": float(total - free) - held}
+
+
 class WeightsFileExtension:
     """Methods added to vLLM's GPU worker; called with ``collective_rpc("vsnap_...")``."""
 
@@ -213,14 +330,35 @@ class WeightsFileExtension:
             pool.shutdown()
             del self._vsnap_loading
 
+    def vsnap_before_sleep(self) -> dict[str, float]:
+        """Before vLLM's sleep: the CUDA graph pool is tagged to be unmapped with the KV cache."""
+        return {"graph_pool_tagged_bytes": float(tag_graph_pool())}
+
     def vsnap_release_memory(self) -> dict[str, float]:
-        """Before a checkpoint: drop what the image need not carry (cached GPU blocks, freed heap)."""
+        """After vLLM's sleep, before a checkpoint: drop what the image need not carry and what the
+        next use rebuilds by itself (freed blocks of torch's cache, cuBLAS workspaces, freed heap),
+        and report what is left (device_memory_report) and what each step freed."""
         import torch
 
+        torch.cuda.synchronize()
+        start = used = _device_used()
+        release_heap()  # first: a collected tensor's block can then be returned
         torch.cuda.empty_cache()
-        release_heap()
-        free, total = torch.cuda.mem_get_info()
-        stats = torch.cuda.memory_stats()
-        return {"gpu_used_bytes": float(total - free),  # the whole GPU: every process
-                "torch_allocated_bytes": float(stats.get("allocated_bytes.all.current", 0)),
-                "torch_reserved_bytes": float(stats.get("reserved_bytes.all.current", 0))}
+        freed = {"freed_cached_blocks_bytes": float(used - (used := _device_used()))}
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear is not None:  # eager cuBLAS calls allocate a new one; captured graphs use their own
+            clear()
+            torch.cuda.empty_cache()
+        freed["freed_cublas_workspaces_bytes"] = float(used - (used := _device_used()))
+        return {**device_memory_report(), **freed, "freed_bytes": float(start - used)}
+
+
+def _device_used() -> int:
+    import torch
+
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    return int(total - free)
+
+if os.environ.get(GRAPH_POOL_ENV) == "sleep":  # set by the vllm adapter for its worker (spawned after)
+    route_graph_pool_to_sleep_allocator()
