@@ -37,8 +37,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason=reason))
 
 
-def engine_processes(control_dir: Path) -> list[int]:
-    """PIDs of engine trees that use ``control_dir`` (what a test must find none of)."""
+def engine_processes(control_dir: Path, *, launching: bool = False) -> list[int]:
+    """PIDs of engine trees that use ``control_dir`` (what a test must find none of). With
+    ``launching``, also the `unshare` and `sh` a tree starts from, before its root execs the engine."""
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -48,6 +49,7 @@ def engine_processes(control_dir: Path) -> list[int]:
             status = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if status != "Z" and b"vsnap.engine" in cmdline and str(control_dir).encode() in cmdline:
+        ours = b"vsnap.engine" in cmdline or (launching and any(b"vsnap.engine" in arg for arg in cmdline))
+        if status != "Z" and ours and str(control_dir).encode() in cmdline:
             found.append(int(entry))
     return found

@@ -32,9 +32,9 @@ def run_with(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str
 def wait_no_engine(control_dir: Path, timeout_s: float = OWNER_TIMEOUT_S + 30) -> None:
     """The tree of a SIGKILLed owner notices the silence and shuts itself down."""
     deadline = time.monotonic() + timeout_s
-    while engine_processes(control_dir) and time.monotonic() < deadline:
+    while engine_processes(control_dir, launching=True) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert engine_processes(control_dir) == []
+    assert engine_processes(control_dir, launching=True) == []
 
 
 def staging_dirs(image: Path) -> list[str]:
@@ -65,7 +65,9 @@ def test_capture_killed_before_publish_keeps_the_old_image(tmp_path: Path) -> No
     assert (image / "manifest.json").read_bytes() == old_manifest
     assert run_vsnap("validate", str(image)).returncode == 0  # every file still matches
     assert engine_processes(tmp_path / "control" / "keep") == []  # CRIU ended the tree with the dump
-    assert len(staging_dirs(image)) == 1
+    # the killed capture's staging directory (process memory) is removed by the next vsnap run
+    # that looks (any capture or restore on this host, perhaps a concurrent one)
+    assert len(staging_dirs(image)) <= 1
     again = run_vsnap("capture", str(spec), "--force")
     assert again.returncode == 0, again.stderr
     assert (image / "manifest.json").read_bytes() != old_manifest
@@ -91,7 +93,7 @@ def test_lazy_restore_killed_leaves_no_page_server(captured: CapturedImage) -> N
     # First the page server: until it has sent the tree's stack pages, /proc/PID/cmdline of the
     # tree's processes reads empty, and engine_processes() would miss them.
     deadline = time.monotonic() + OWNER_TIMEOUT_S + 30
-    while subprocess.run(["pgrep", "-f", f"lazy-pages --images-dir {captured.image}"]).returncode == 0:
+    while subprocess.run(["pgrep", "-f", f"lazy-pages .*--images-dir {captured.image}"]).returncode == 0:
         assert time.monotonic() < deadline, "criu lazy-pages outlived the tree"
         time.sleep(0.1)
     wait_no_engine(captured.control_dir)

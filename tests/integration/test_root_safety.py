@@ -89,7 +89,7 @@ def test_a_manifest_path_that_leaves_the_image_is_refused(captured: CapturedImag
         assert "must be plain file names" in result.stderr + result.stdout
     assert list(target.iterdir()) == []
     manifest["shm_files"] = []
-    manifest["files"]["../outside"] = {"size": 1, "sha256": "0" * 64}
+    manifest["files"]["../outside"] = {"size": 1, "digest": "0" * 64, "scheme": "sha256"}
     (image / "manifest.json").write_text(json.dumps(manifest))
     result = run_vsnap("restore", str(image), "--port", "0")
     assert result.returncode == 4 and "names a path outside the image" in result.stderr
@@ -139,7 +139,8 @@ def test_stop_during_a_restore_wins_and_nothing_serves(captured: CapturedImage) 
             restore.kill()
     assert restore.returncode == 5 and "stopped by `vsnap stop` while restoring" in err
     assert engine_processes(captured.control_dir) == []
-    assert json.loads(run_vsnap("ps", "--json").stdout)["instances"] == []
+    listed = json.loads(run_vsnap("ps", "--json").stdout)["instances"]
+    assert [r for r in listed if r["image"] == str(captured.image)] == []
 
 
 def test_a_dead_instance_is_gone_and_its_shm_directory_removed(captured: CapturedImage) -> None:
