@@ -32,7 +32,7 @@ from ._instances import (CaptureRecord, new_instance_dir, prune_dead_runs, regis
 from ._manifest import (CRIU_DIR, DUMP_LOG, ENGINE_LOG, FORMAT_VERSION, MANIFEST, SHM_DIR, WEIGHTS_DIR, Dependency,
                         HostFacts, ImageLaunch, Manifest)
 from ._proctree import LaunchedTree, is_same, kill_tree, launch_tree, mapped_and_open_files, tree_pids, wait_gone
-from ._trust import require_trusted_ancestors
+from ._trust import make_trusted_dirs, require_trusted_ancestors
 from ._netns import NETNS_KEY, netns_inode
 from ._shm import SHM, instance_shm_dir, link_remap_files, remove_instance_shm
 from ._spec import ModelSpec
@@ -235,7 +235,7 @@ def capture_image(spec: ModelSpec, *, image_dir: Path | None = None, force: bool
         remove_stale_staging(image_dir)
         with timings.phase("prepare model"):
             model_dir = resolve_model(spec)
-        control.ensure_private_dir(control_dir)  # the mount point inside the tree
+        control.ensure_private_dir(make_trusted_dirs(control_dir))  # the mount point inside the tree
         instance_id, work = new_instance_dir(control_dir, "capture")  # bound there: this capture's files
         cleanup.on_success(shutil.rmtree, work, True)  # a failed capture keeps it: the logs its error names
         shm_dir = instance_shm_dir(instance_id)  # bound at /dev/shm in the tree

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import platform
 import socket
+import stat
 from dataclasses import dataclass
 from typing import Callable
 from importlib import metadata
@@ -162,11 +163,14 @@ def dependency_mismatches(dependencies: list[Dependency], *, hash_files: bool) -
     for dep in dependencies:
         path = Path(dep.path)
         try:
-            size = path.stat().st_size
+            st = path.stat()
         except OSError:
             mismatches.append((f"file {dep.path}", f"{dep.size} bytes", "missing"))
             continue
-        if size != dep.size:
+        size = st.st_size
+        if not stat.S_ISREG(st.st_mode):  # never read a FIFO or a device a manifest names
+            mismatches.append((f"file {dep.path}", "a regular file", "something else"))
+        elif size != dep.size:
             mismatches.append((f"file {dep.path}", f"{dep.size} bytes", f"{size} bytes"))
         elif hash_files and dep.sha256 is not None and sha256_file(path) != dep.sha256:
             mismatches.append((f"file {dep.path}", f"sha256 {dep.sha256[:12]}", "different content"))

@@ -36,8 +36,13 @@ HASH_THREADS = min(16, os.cpu_count() or 2)
 
 
 def sha256_file(path: Path) -> str:
+    """sha256 of a regular file (opened without blocking, so a FIFO or device put in its place is
+    refused rather than read forever)."""
     digest = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with open(fd, "rb", buffering=0) as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ImageError(f"{path} is not a regular file; vsnap hashes only regular files")
         while chunk := f.read(CHUNK):
             digest.update(chunk)
     return digest.hexdigest()

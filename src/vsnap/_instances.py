@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict
 from .protocol import control
 from ._proctree import ProcessIdentity, identify, is_same
 from ._shm import remove_instance_shm, remove_orphans, shm_dir_of
+from ._trust import make_trusted_dirs
 
 RUNTIME_DIR = Path(os.environ.get("VSNAP_RUNTIME_DIR", "/run/vsnap"))
 
@@ -95,7 +96,7 @@ def new_instance_dir(control_dir: Path, prefix: str) -> tuple[str, Path]:
     """A fresh private host directory to bind at ``control_dir`` inside one tree (old directories
     of failed runs beside it are removed on the way)."""
     instance_id = f"{prefix}-{secrets.token_hex(4)}"
-    root = Path(f"{control_dir}.instances")
+    root = make_trusted_dirs(Path(f"{control_dir}.instances"))
     control.ensure_private_dir(root)
     prune_failed(root)
     return instance_id, control.ensure_private_dir(root / instance_id)
@@ -118,7 +119,7 @@ def prune_failed(root: Path, keep_s: float = KEEP_FAILED_S) -> list[str]:
 
 
 def registry_dir() -> Path:
-    return control.ensure_private_dir(RUNTIME_DIR / "instances")
+    return control.ensure_private_dir(make_trusted_dirs(RUNTIME_DIR / "instances"))
 
 
 def register(record: InstanceRecord) -> None:
@@ -188,7 +189,7 @@ class CaptureRecord(BaseModel):
 
 
 def captures_dir() -> Path:
-    return control.ensure_private_dir(RUNTIME_DIR / "captures")
+    return control.ensure_private_dir(make_trusted_dirs(RUNTIME_DIR / "captures"))
 
 
 def register_capture(record: CaptureRecord) -> None:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import stat
 from pathlib import Path
 from typing import Any, Literal
 
@@ -115,12 +118,21 @@ def read_manifest(image_dir: Path) -> Manifest:
     path = image_dir / MANIFEST
     if not image_dir.is_dir():
         raise ImageError(f"{image_dir} is not an image directory", hint="capture one with `vsnap capture SPEC`")
-    if path.is_symlink():
-        raise ImageFormatError(f"{path} is a symlink; an image's manifest must be a regular file")
     try:
-        data = path.read_bytes() if path.stat().st_size <= MAX_MANIFEST_BYTES else b""
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise ImageFormatError(f"{image_dir} has no {MANIFEST}: not a vsnap image, or an unfinished one") from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ImageFormatError(f"{path} is a symlink; an image's manifest must be a regular file") from None
+        raise ImageFormatError(f"{path} cannot be read: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ImageFormatError(f"{path} is not a regular file")
+        data = os.read(fd, MAX_MANIFEST_BYTES + 1) if st.st_size <= MAX_MANIFEST_BYTES else b""
+    finally:
+        os.close(fd)
     try:
         raw = json.loads(data)
     except ValueError:

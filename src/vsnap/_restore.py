@@ -35,7 +35,7 @@ from ._instances import (InstanceRecord, ProcessRef, new_instance_dir, prune_dea
                          running_instances, stop_requested, this_process, unregister)
 from ._proctree import ProcessIdentity, alive, become_subreaper, identify, is_same, kill_tree, reap, tree_pids
 from ._shm import instance_shm_dir, put_back, remove_instance_shm, shm_dir_of
-from ._trust import copy_no_follow, require_trusted_ancestors
+from ._trust import copy_no_follow, make_trusted_dirs, require_trusted_ancestors, require_trusted_tree
 
 RESTORE_LOG = "restore.log"
 LAZY_PAGES_LOG = "lazy-pages.log"
@@ -214,7 +214,7 @@ def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000,
     with Cleanup() as cleanup, ExitStack() as reading:
         with timings.phase("verify image"):
             check_root()
-            require_trusted_ancestors(image_dir)
+            require_trusted_tree(image_dir)  # before a byte of the image is read (verify_files walks it again)
             reading.enter_context(image_read_lock(image_dir))
             manifest = read_manifest(image_dir)
             if gpu is not None and not manifest.cuda_processes:
@@ -239,7 +239,7 @@ def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000,
         weights_dir = image_dir / WEIGHTS_DIR
         with timings.phase("prepare host"):
             read_ahead(weights_dir)  # read while CRIU and CUDA restore; the engine streams it at recover
-            control.ensure_private_dir(control_dir)  # the mount point inside the tree
+            control.ensure_private_dir(make_trusted_dirs(control_dir))  # the mount point inside the tree
             instance_id, work = new_instance_dir(control_dir, "r")
             record = InstanceRecord(id=instance_id, image=str(image_dir), name=manifest.name, state="restoring",
                                     owner=this_process(), instance_dir=str(work), started_at=time.time())

@@ -52,6 +52,32 @@ def require_trusted_ancestors(path: Path) -> None:
         _owner_and_mode(ancestor, st, "a parent directory")
 
 
+def make_trusted_dirs(path: Path) -> Path:
+    """Create ``path`` and its missing ancestors one by one (0700), then check every ancestor again.
+
+    ``mkdir -p`` by path is not safe as root: where an ancestor is missing under a directory others
+    can write to (a sticky /tmp), another user may create it first, or swap it between our check
+    and our use. Each component is made with mkdir (never adopting an existing one unchecked);
+    afterwards every ancestor and ``path`` itself must be root's and not writable by others, so
+    no one else can rename anything below them from then on.
+    """
+    path = Path(os.path.abspath(path))
+    for component in [*reversed(path.parents), path]:
+        try:
+            os.mkdir(component, 0o700)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise ImageUntrusted(component, f"cannot be created: {exc.strerror}",
+                                 hint="choose a directory under one that root owns") from None
+    require_trusted_ancestors(path)
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise ImageUntrusted(path, "is not a real directory", hint="remove it, or choose another directory")
+    _owner_and_mode(path, st, "the directory")
+    return path
+
+
 def require_trusted_tree(root: Path) -> list[str]:
     """The image directory and everything in it: real directories and regular files, root's, not
     group/other-writable. Returns the files found (relative paths), for the manifest comparison."""

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from .protocol.errors import ImageHostMismatch, VsnapError
 from ._host import Check, host_mismatches, preflight, run_check
-from ._image import check_parent, verify_files
+from ._image import verify_files
+from ._trust import require_trusted_ancestors, require_trusted_tree
 from ._verified import VERIFIED_DIR
 from ._manifest import MANIFEST, read_manifest
 from ._spec import load_spec
@@ -58,12 +59,19 @@ def _validate_spec(path: Path) -> ValidationReport:
         from ._vllm_check import require_supported_args
 
         report.checks.append(run_check("vllm arguments", lambda: require_supported_args(spec, str(path))))
-    report.checks.append(run_check("image directory", lambda: (check_parent(spec.image_dir), f"{spec.image_dir.parent} is private")[1]))
+    report.checks.append(run_check("image directory", lambda: (
+        require_trusted_ancestors(spec.image_dir), f"{spec.image_dir.parent} is root's alone (or will be made so)")[1]))
     return report
 
 
 def _validate_image(image_dir: Path) -> ValidationReport:
+    """Trust first: nothing an untrusted image names (its manifest, its dependencies) is read."""
     report = ValidationReport(str(image_dir), "image")
+    trust = run_check("trust", lambda: (require_trusted_tree(image_dir.absolute()),
+                                        "the image and its parents are root's alone")[1])
+    report.checks.append(trust)
+    if not trust.ok:
+        return report
     try:
         manifest = read_manifest(image_dir)
     except VsnapError as exc:
@@ -72,9 +80,12 @@ def _validate_image(image_dir: Path) -> ValidationReport:
     report.checks.append(Check("manifest", True, f"{manifest.name}: engine {manifest.engine}, "
                                                  f"captured {manifest.created_at} on {manifest.host.hostname}"))
     # every file hashed; the result is remembered, so a restore right after need not hash again
-    report.checks.append(run_check("image files", lambda: (
+    files = run_check("image files", lambda: (
         verify_files(image_dir, manifest, cache_root=VERIFIED_DIR, rehash=True),
-        f"{len(manifest.files)} files match their sha256")[1]))
+        f"{len(manifest.files)} files match their digests")[1])
+    report.checks.append(files)
+    if not files.ok:
+        return report  # an altered manifest's dependency paths are not read either
 
     def host_fit() -> str:
         mismatches = host_mismatches(manifest, hash_files=True)

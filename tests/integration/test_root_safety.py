@@ -158,3 +158,29 @@ def test_a_dead_instance_is_gone_and_its_shm_directory_removed(captured: Capture
     assert doc["instance"] not in run_vsnap("ps").stdout
     assert not shm.exists()
     assert run_vsnap("stop", doc["instance"]).returncode != 0  # nothing to act on
+
+
+def test_nothing_an_untrusted_image_names_is_read(tmp_path: Path) -> None:
+    """The hostile pass: a FIFO as the manifest, or a manifest naming a FIFO as a dependency, hung
+    restore and validate (root read what another user chose). Now the trust check comes first."""
+    parent = tmp_path / "mallory"
+    parent.mkdir(mode=0o755)
+    image = parent / "img"
+    image.mkdir()
+    os.mkfifo(image / "manifest.json")
+    for path in (parent, image, image / "manifest.json"):
+        os.chown(path, NOBODY, NOBODY)
+    for command in (["restore", str(image), "--port", "0"], ["validate", str(image)]):
+        result = run_vsnap(*command, timeout=60)
+        assert result.returncode == 4, result.stderr
+        assert "owned by uid 65534, not by root" in result.stderr + result.stdout
+    (image / "manifest.json").unlink()
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    manifest = {"format_version": 2, "dependencies": [{"path": str(fifo), "size": 0}], "files": {}}
+    (image / "manifest.json").write_text(json.dumps(manifest))
+    os.chown(image / "manifest.json", NOBODY, NOBODY)
+    result = run_vsnap("validate", str(image), "--json", timeout=60)
+    assert result.returncode == 4
+    checks = {c["name"]: c["ok"] for c in json.loads(result.stdout)["checks"]}
+    assert checks == {"trust": False}  # neither the manifest nor what it names was looked at

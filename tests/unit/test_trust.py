@@ -149,3 +149,36 @@ def test_copy_follows_no_link_on_either_side(tmp_path: Path) -> None:
     assert victim.read_text() == "root's file"
     copy_no_follow(source, tmp_path / "copy")
     assert (tmp_path / "copy").read_text() == "data"
+
+
+def test_missing_ancestors_are_made_by_root_or_refused(tmp_path: Path) -> None:
+    """The hostile pass: a control_dir whose ancestors are missing under a sticky, world-writable
+    directory. Whoever creates the missing ancestor first owns it; root must notice, not write through it."""
+    from vsnap._trust import make_trusted_dirs
+
+    shared = tmp_path / "shared-tmp"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    made = make_trusted_dirs(shared / "fresh" / "ctl.instances")
+    assert made.is_dir() and (shared / "fresh").stat().st_uid == 0
+    planted = shared / "hxyz"
+    planted.mkdir()
+    os.chown(planted, NOBODY, NOBODY)  # mallory got there first
+    with pytest.raises(ImageUntrusted, match=r"hxyz: a parent directory is owned by uid 65534"):
+        make_trusted_dirs(planted / "ctl")
+    link = shared / "linked"
+    link.symlink_to(tmp_path)
+    os.lchown(link, NOBODY, NOBODY)
+    with pytest.raises(ImageUntrusted, match="is a symlink owned by uid 65534"):
+        make_trusted_dirs(link / "ctl")
+
+
+def test_a_dependency_that_is_not_a_regular_file_is_named_not_read(tmp_path: Path) -> None:
+    from vsnap._host import dependency_mismatches
+    from vsnap._manifest import Dependency
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    deps = [Dependency(path=str(fifo), size=0, sha256="0" * 64), Dependency(path="/dev/zero", size=0, sha256="0" * 64)]
+    assert dependency_mismatches(deps, hash_files=True) == [
+        (f"file {fifo}", "a regular file", "something else"), ("file /dev/zero", "a regular file", "something else")]
