@@ -347,12 +347,32 @@ def test_chat_completion_plain_and_streamed(server: _Server, model: cpu_model.Ti
     ("completions", {"prompt": "x", "n": 2}, 400, "one choice"),
     ("completions", {"prompt": "x", "stop": ["\n"]}, 400, "stop sequences"),
     ("chat/completions", {"messages": [{"role": "tool", "content": "{}"}]}, 400, "role 'tool'"),
-    ("chat/completions", {"messages": []}, 422, ""),
+    ("chat/completions", {"messages": []}, 400, "invalid request: messages"),
+    ("chat/completions", {"messages": [{"role": "x" * 100000, "content": "hi"}]}, 400, "messages.0.role"),
+    ("completions", {"prompt": "a", "max_tokens": float("inf")}, 400, "max_tokens"),
+    ("completions", {"prompt": "\ud800"}, 400, ""),
 ])
 def test_refusals(server: _Server, path: str, body: dict, status: int, message: str) -> None:
-    response = httpx.post(f"{server.url}/v1/{path}", json=body, timeout=30)
+    raw = json.dumps(body).encode()  # json.dumps writes inf as Infinity and keeps the lone surrogate escaped
+    response = httpx.post(f"{server.url}/v1/{path}", content=raw, headers={"content-type": "application/json"},
+                          timeout=30)
     assert response.status_code == status
     assert message in response.text
+    assert len(response.content) < 4096  # the refusal never echoes what was sent
+
+
+def test_a_body_too_large_or_of_unknown_length_is_never_read(server: _Server) -> None:
+    import socket
+
+    from vsnap.engine.adapters.cpu.server import MAX_BODY_BYTES
+
+    host, port = server.url.removeprefix("http://").split(":")
+    for head, status in ((f"Content-Length: {MAX_BODY_BYTES + 1}\r\n", b"413"),
+                         ("Transfer-Encoding: chunked\r\n", b"411")):
+        with socket.create_connection((host, int(port)), timeout=10) as conn:
+            conn.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         f"{head}\r\n".encode())  # and no body at all: the answer must come anyway
+            assert conn.recv(4096).split(b" ")[1] == status
 
 
 def test_a_client_that_disconnects_stops_its_generation(server: _Server) -> None:

@@ -14,6 +14,10 @@ engine decodes greedily), 404 (another model) or 503 (the queue is full, schedul
 that goes away stops its generation before the next step: a stream sees it as the disconnect
 that cancels the response; a plain request has a task waiting for it beside the result.
 
+Bounded input: a POST body must say its length (411 otherwise) and hold at most MAX_BODY_BYTES
+(413), checked before a byte is read; a body that does not validate gets 400 in OpenAI's shape,
+naming the fields but never echoing their values (which may be huge, NaN or not encodable).
+
 /metrics (Prometheus text) shows the scheduler's counters: requests running and waiting,
 finished, cancelled, rejected, failed, worker steps and generated tokens.
 """
@@ -27,6 +31,7 @@ import uuid
 from typing import Annotated, Any, AsyncIterator, Literal
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -34,6 +39,28 @@ from . import model as cpu_model
 from .scheduler import Scheduler, Sequence, SequenceState, ServerBusy
 
 MAX_TEXT = 16384  # characters in a prompt or a message; more can never fit max_model_len (4096 at most)
+MAX_BODY_BYTES = 1 << 20  # 256 messages of MAX_TEXT characters fit; nothing larger is read
+
+
+class BodyLimit:
+    """ASGI middleware: a POST must send Content-Length, at most MAX_BODY_BYTES, or it is answered
+    411 / 413 before its body is read (the server would otherwise buffer any size in memory)."""
+
+    def __init__(self, app: Any, limit: int = MAX_BODY_BYTES) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope.get("method") == "POST":
+            length = dict(scope.get("headers") or []).get(b"content-length")
+            status, message = 0, ""
+            if length is None or not length.isdigit():
+                status, message = 411, "send the request body with a Content-Length"
+            elif int(length) > self.limit:
+                status, message = 413, f"the request body holds {int(length)} bytes; at most {self.limit} are read"
+            if status:
+                await _error(status, message)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class StreamOptions(BaseModel):
@@ -71,7 +98,7 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: str
+    role: str = Field(max_length=32)
     content: Annotated[str, Field(max_length=MAX_TEXT)] | Annotated[list[TextPart], Field(max_length=256)]
 
     def text(self) -> str:
@@ -88,8 +115,16 @@ class ChatRequest(_Sampling):
 
 def _error(status: int, message: str, kind: str = "invalid_request_error",
            headers: dict[str, str] | None = None) -> JSONResponse:
+    safe = message.encode("utf-8", "backslashreplace").decode("utf-8")  # a lone surrogate cannot be sent
     return JSONResponse(status_code=status, headers=headers,
-                        content={"error": {"message": message, "type": kind, "code": status}})
+                        content={"error": {"message": safe, "type": kind, "code": status}})
+
+
+def _invalid_body(errors: list[dict[str, Any]]) -> JSONResponse:
+    """400 naming each invalid field and why, without the values (huge, NaN, not encodable)."""
+    parts = [f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg', 'invalid')}"
+             for e in errors[:8]]
+    return _error(400, "invalid request: " + "; ".join(parts)[:2000])
 
 
 def _refusal(request: _Sampling, served_model_name: str) -> JSONResponse | None:
@@ -253,7 +288,12 @@ def _metrics(scheduler: Scheduler) -> str:
 
 def build_app(scheduler: Scheduler, served_model_name: str) -> FastAPI:
     app = FastAPI(title="vsnap cpu engine", docs_url=None, redoc_url=None)
+    app.add_middleware(BodyLimit)
     created = int(time.time())
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _invalid_body(list(exc.errors()))
 
     async def answer(body: _Sampling, request: Request, answer: _Answer, prompt: str, max_tokens: int,
                      top_k: int) -> Response:
