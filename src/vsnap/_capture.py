@@ -35,7 +35,7 @@ from ._proctree import LaunchedTree, is_same, kill_tree, launch_tree, mapped_and
 from ._trust import make_trusted_dirs, require_trusted_ancestors
 from ._netns import NETNS_KEY, netns_inode
 from ._shm import SHM, instance_shm_dir, link_remap_files, remove_instance_shm
-from ._spec import ModelSpec
+from ._spec import ModelSpec, require_safe_directory
 
 DEFAULT_MODEL_ROOT = Path("/var/lib/vsnap/models")
 CPU_MODEL_NAME = "cpu-tiny-v1"
@@ -220,6 +220,7 @@ def capture_image(spec: ModelSpec, *, image_dir: Path | None = None, force: bool
     control_dir = spec.control_dir
     timings = Timings(on_event)
     with timings.phase("preflight"):
+        require_safe_directory(str(image_dir), "the image")
         require_host(spec.engine)
         runner = CriuRunner.locate()
         check_parent(image_dir)

@@ -35,6 +35,7 @@ from ._instances import (InstanceRecord, ProcessRef, new_instance_dir, prune_dea
                          running_instances, stop_requested, this_process, unregister)
 from ._proctree import ProcessIdentity, alive, become_subreaper, identify, is_same, kill_tree, reap, tree_pids
 from ._shm import instance_shm_dir, put_back, remove_instance_shm, shm_dir_of
+from ._spec import require_safe_directory
 from ._trust import copy_no_follow, make_trusted_dirs, require_trusted_ancestors, require_trusted_tree
 
 RESTORE_LOG = "restore.log"
@@ -221,6 +222,7 @@ def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000,
                 raise UnsupportedOption("--gpu", f"--gpu {gpu}: {image_dir} holds no CUDA state "
                                                  f"(engine {manifest.engine}); there is no GPU to choose")
             control_dir = Path(manifest.control_dir)
+            require_safe_directory(manifest.control_dir, "the manifest's control_dir")
             require_trusted_ancestors(control_dir)
             # Independent checks side by side (the GPU ones start the CUDA driver, which the CUDA
             # restore needs anyway); the first failure in this order is the one reported.

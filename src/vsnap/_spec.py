@@ -110,6 +110,17 @@ def refuse_system_path(value: str, what: str, use: str) -> str:
     return value
 
 
+def require_safe_directory(value: str, what: str) -> None:
+    """For paths that do not come through a spec (``--image``, a manifest's control_dir): absolute,
+    clean, not a system directory; else ImageUntrusted in one line."""
+    from .protocol.errors import ImageUntrusted
+
+    try:
+        refuse_system_path(_absolute_clean(value, what), what, "choose a directory of its own")
+    except ValueError as exc:
+        raise ImageUntrusted(value, str(exc), hint="choose a directory of its own") from None
+
+
 def _image_path(value: str | None) -> str | None:
     if value is None:
         return None

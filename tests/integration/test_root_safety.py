@@ -184,3 +184,47 @@ def test_nothing_an_untrusted_image_names_is_read(tmp_path: Path) -> None:
     assert result.returncode == 4
     checks = {c["name"]: c["ok"] for c in json.loads(result.stdout)["checks"]}
     assert checks == {"trust": False}  # neither the manifest nor what it names was looked at
+
+
+def test_gpu_for_an_image_without_cuda_state_is_refused(captured: CapturedImage) -> None:
+    result = run_vsnap("restore", str(captured.image), "--port", "0", "--gpu", "0")
+    assert result.returncode == 11
+    assert "holds no CUDA state" in result.stderr
+    assert engine_processes(captured.control_dir) == []
+
+
+def test_an_image_of_another_engine_protocol_is_refused_before_criu(captured: CapturedImage, tmp_path: Path) -> None:
+    image = copy_image(captured, tmp_path)
+    manifest = json.loads((image / "manifest.json").read_text())
+    manifest["protocol_version"], manifest["vsnap_version"] = 1, "0.1.0"
+    (image / "manifest.json").write_text(json.dumps(manifest))
+    result = run_vsnap("restore", str(image), "--port", "0")
+    assert result.returncode == 4
+    assert "captured by vsnap 0.1.0 (engine protocol 1); this vsnap speaks vsnap" in result.stderr
+    assert "criu restore" not in result.stderr  # refused in the verify phase, before CRIU
+    assert engine_processes(captured.control_dir) == []
+
+
+def test_a_restore_holds_the_image_until_its_weights_are_read(captured: CapturedImage) -> None:
+    """A capture's publish (the exclusive readers' lock) must wait while a restore is recovering."""
+    from vsnap._image import image_read_lock
+    from vsnap.protocol.errors import ImageBusy
+
+    restore = subprocess.Popen([VSNAP, "restore", str(captured.image), "--port", "0", "--detach", "--json"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "VSNAP_FAILPOINT": "stall recover"})
+    try:
+        deadline = time.monotonic() + 30
+        while '"restoring"' not in run_vsnap("ps", "--json").stdout and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(ImageBusy, match="restores are still reading"):
+            with image_read_lock(captured.image, exclusive=True, timeout_s=0.5):
+                pass
+        out, err = restore.communicate(timeout=60)
+        assert restore.returncode == 0, err
+        with image_read_lock(captured.image, exclusive=True, timeout_s=5):  # released once it serves
+            pass
+    finally:
+        if restore.poll() is None:
+            restore.kill()
+    assert run_vsnap("stop", json.loads(out)["instance"]).returncode == 0
