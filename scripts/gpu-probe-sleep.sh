@@ -80,8 +80,11 @@ for k in ("awake", "asleep", "gc_empty_cache", "cublas_cleared") + tuple(k for k
     print(f"| vLLM {k} | {mb(c.get(k))} |")
 print(f"| pools asleep | {json.dumps({k: mb(v) for k, v in (c.get('pools_asleep') or {}).items()})} |")
 print(f"| graphs | {c.get('graphs')} in {c.get('graph_wrappers')} wrappers {c.get('graphs_by_mode')} |")
-for k in ("awake", "graph_pool_tagged", "asleep", "asleep_2"):
-    print(f"| graph pool in sleep allocator: {k} | {mb(g.get(k))} |")
-print(f"| outputs equal after wake | {g.get('tokens_equal')} {g.get('max_logprob_diff')} / {g.get('tokens_equal_2')} {g.get('max_logprob_diff_2')} |")
+print(f"| graph pool in sleep allocator: awake | {mb(g.get('awake'))} |")
+for name in ("graph_pool", "graph_pool_and_cublas"):
+    r = g.get(name) or {}
+    print(f"| {name}: tagged / asleep / cuBLAS freed | {mb(r.get('graph_pool_tagged'))} / {mb(r.get('asleep'))} / "
+          f"{mb(r.get('asleep_cublas_cleared'))} |")
+    print(f"| {name}: outputs equal after wake | {r.get('tokens_equal')} {r.get('max_logprob_diff')} |")
 PY
 tar -C "$OUT" -czf "$OUT/../probe-sleep-$SHAPE.tgz" . 2>/dev/null

@@ -2,11 +2,13 @@
 
     python scripts/gpu_probe_sleep.py baseline            a process with only a CUDA context (+ cuBLAS)
     python scripts/gpu_probe_sleep.py compose MODEL       vLLM's pool, then destructive steps, one by one
-    python scripts/gpu_probe_sleep.py graphs MODEL        the CUDA graph pool in the sleep allocator:
-                                                          used at sleep, and outputs before == after wake
+    python scripts/gpu_probe_sleep.py graphs MODEL        the CUDA graph pool in the sleep allocator: two
+                                                          sleep/wake/reload rounds (the second also frees
+                                                          cuBLAS's workspaces), outputs compared after each
 
 vLLM runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the worker is reachable here.
-Each mode prints one JSON line (prefixed "PROBE ") with bytes at each step.
+Each mode prints one JSON line (prefixed "PROBE ") with bytes at each step; graphs also prints
+each round as it ends ("PROBE-STEP "), since a CUDA fault ends the process.
 """
 
 from __future__ import annotations
@@ -177,34 +179,38 @@ def compose(model: str) -> dict[str, Any]:
 
 
 def graphs(model: str) -> dict[str, Any]:
+    """The graph pool in the sleep allocator: two sleep/wake/reload rounds, the second also freeing
+    cuBLAS's workspaces after the sleep; each round's result is printed as soon as it is known (a
+    CUDA fault ends the process)."""
+    import torch
+
     from vsnap.engine.adapters.vllm_weights import route_graph_pool_to_sleep_allocator, tag_graph_pool
 
     rows: dict[str, Any] = {"routed": route_graph_pool_to_sleep_allocator()}
     llm = make_llm(model)
     before = generate(llm)
     rows["awake"] = used()
-    rows["graph_pool_tagged"] = tag_graph_pool()
-    llm.sleep(level=2)
-    rows["asleep"] = used()
-    rows["pools_asleep"] = pools()
-    start = time.monotonic()
-    llm.wake_up(tags=["weights"])
-    llm.collective_rpc("reload_weights")
-    llm.wake_up(tags=["kv_cache"])
-    rows["wake_reload_s"] = time.monotonic() - start
-    after = generate(llm)
-    rows["tokens_equal"] = [a[0] == b[0] for a, b in zip(before, after)]
-    rows["max_logprob_diff"] = max(abs(x - y) for a, b in zip(before, after) for x, y in zip(a[1], b[1]))
-    # a second round: sleep, wake, generate again (what a rehearsal then a restore does)
-    tag_graph_pool()
-    llm.sleep(level=2)
-    rows["asleep_2"] = used()
-    llm.wake_up(tags=["weights"])
-    llm.collective_rpc("reload_weights")
-    llm.wake_up(tags=["kv_cache"])
-    again = generate(llm)
-    rows["tokens_equal_2"] = [a[0] == b[0] for a, b in zip(before, again)]
-    rows["max_logprob_diff_2"] = max(abs(x - y) for a, b in zip(before, again) for x, y in zip(a[1], b[1]))
+    print("PROBE-STEP " + json.dumps(rows), flush=True)
+    for name, clear_cublas in (("graph_pool", False), ("graph_pool_and_cublas", True)):
+        step: dict[str, Any] = {"round": name, "graph_pool_tagged": tag_graph_pool()}
+        llm.sleep(level=2)
+        step["asleep"] = used()
+        if clear_cublas:
+            torch._C._cuda_clearCublasWorkspaces()
+            torch.cuda.empty_cache()
+            step["asleep_cublas_cleared"] = used()
+        step["pools_asleep"] = pools()
+        print("PROBE-STEP " + json.dumps(step), flush=True)
+        start = time.monotonic()
+        llm.wake_up(tags=["weights"])
+        llm.collective_rpc("reload_weights")
+        llm.wake_up(tags=["kv_cache"])
+        step["wake_reload_s"] = time.monotonic() - start
+        after = generate(llm)
+        step["tokens_equal"] = [a[0] == b[0] for a, b in zip(before, after)]
+        step["max_logprob_diff"] = max(abs(x - y) for a, b in zip(before, after) for x, y in zip(a[1], b[1]))
+        print("PROBE-STEP " + json.dumps(step), flush=True)
+        rows[name] = step
     return rows
 
 
