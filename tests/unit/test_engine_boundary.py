@@ -64,7 +64,7 @@ def test_the_checker_sees_a_forbidden_import(tmp_path: Path) -> None:
 ENGINE_MODULES = ["vsnap.engine.__main__", "vsnap.engine.launcher", "vsnap.engine.adapters.base",
                   "vsnap.engine.adapters.cpu", "vsnap.engine.adapters.cpu.adapter", "vsnap.engine.adapters.cpu.model",
                   "vsnap.engine.adapters.cpu.scheduler", "vsnap.engine.adapters.cpu.server",
-                  "vsnap.engine.adapters.cpu.worker"]
+                  "vsnap.engine.adapters.cpu.worker", "vsnap.engine.seccomp"]
 
 
 def test_a_fresh_engine_interpreter_loads_no_orchestrator() -> None:

@@ -72,6 +72,28 @@ def reap_orphans_once(seen: dict[int, float], now: float, own: set[int]) -> list
     return reaped
 
 
+def _block_io_uring_if_asked(control_dir: Path) -> bool:
+    """Install the io_uring filter (engine/seccomp.py) first thing, if launch.json asks for it.
+    False (after writing error.json) if it cannot be installed."""
+    from ..protocol import control
+
+    try:
+        launch = control.read_message(control_dir, control.LAUNCH, control.LaunchConfig)
+        if launch is not None and launch.block_io_uring:
+            from .seccomp import block_io_uring
+
+            block_io_uring()
+            print("vsnap engine: io_uring_setup blocked for the tree (seccomp)", flush=True)
+    except (OSError, control.ControlProtocolError) as exc:
+        print(f"vsnap engine: cannot start: {exc}", flush=True)
+        try:
+            control.write_message(control_dir, control.ERROR, control.error_report("launch", exc))
+        except OSError:
+            pass
+        return False
+    return True
+
+
 def _reap_orphans() -> None:
     """Reap zombies of processes re-parented to us (PID 1) that no one else waits for."""
     import multiprocessing
@@ -118,6 +140,8 @@ def main() -> int:
     except OSError:
         pass
     _reopen_stdio(control_dir / ENGINE_LOG)
+    if not _block_io_uring_if_asked(control_dir):
+        return 1
     from ..protocol.loopback import loopback_up
 
     loopback_up()  # the tree's own network namespace starts with lo down

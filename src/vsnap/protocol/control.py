@@ -108,6 +108,9 @@ class LaunchConfig(_Versioned):
     mode: Literal["snapshot", "serve"] = "snapshot"
     # vLLM: where the engine writes its weights file at capture (a host path; None: reload from the model)
     weights_dir: str | None = None
+    # the root installs a seccomp filter that makes io_uring_setup fail (engine/seccomp.py) before
+    # anything else runs, so no process of the tree holds an io_uring CRIU cannot dump
+    block_io_uring: bool = False
 
 
 class Ready(_Versioned):
