@@ -34,7 +34,7 @@ from ._manifest import (CRIU_DIR, DUMP_LOG, ENGINE_LOG, FORMAT_VERSION, MANIFEST
 from ._proctree import LaunchedTree, is_same, kill_tree, launch_tree, mapped_and_open_files, tree_pids, wait_gone
 from ._trust import make_trusted_dirs, require_trusted_ancestors
 from ._netns import NETNS_KEY, netns_inode
-from ._shm import SHM, instance_shm_dir, link_remap_files, remove_instance_shm
+from ._shm import SHM, instance_shm_dir, remove_instance_shm, tree_shm_files
 from ._spec import ModelSpec, require_safe_directory
 
 DEFAULT_MODEL_ROOT = Path("/var/lib/vsnap/models")
@@ -304,7 +304,7 @@ def capture_image(spec: ModelSpec, *, image_dir: Path | None = None, force: bool
             # what the image holds is the tree as it was at the dump: nothing may have reached
             # its control directory until then (an activation read just before the freeze)
             require_parked_files(work)
-        shm_files = link_remap_files(shm_dir)
+        shm_files = tree_shm_files(shm_dir)
         if shm_files:
             (staging / SHM_DIR).mkdir()
             for name in shm_files:

@@ -2,9 +2,10 @@
 
 A tree sees a private directory of the host's /dev/shm (`/dev/shm/vsnap-<instance>`) bound at
 /dev/shm, declared external to CRIU and mapped to a fresh directory at each restore: POSIX shared
-memory and semaphores of two instances never collide. A dump writes link-remap files there (for
-files that were deleted but still open); they are saved with the image and put back into each
-restore's directory, so one image restores any number of times, even several at once.
+memory and semaphores of two instances never collide. Every file the tree has there at the dump
+(CRIU's link-remap files for deleted-but-open files, and shared memory the processes open by name)
+is saved with the image and put back into each restore's directory, so one image restores any
+number of times, even several at once.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 from pathlib import Path
 
 from ._trust import copy_no_follow
+from .protocol.errors import ProcessTreeError
 
 SHM = Path("/dev/shm")
 
@@ -41,8 +43,18 @@ def _ours(directory: Path) -> bool:
             and st.st_uid == os.geteuid() and not st.st_mode & 0o077)
 
 
-def link_remap_files(directory: Path) -> list[str]:
-    return sorted(p.name for p in directory.glob("link_remap.*"))
+def tree_shm_files(directory: Path) -> list[str]:
+    """Every file the tree left in its /dev/shm at the dump, to be saved with the image: CRIU's
+    link-remap files (deleted-but-open files such as semaphores), and the POSIX shared memory and
+    named semaphores its processes share by name (vLLM's `psm_*` between EngineCore and its
+    worker), which CRIU reopens by path at restore. Only regular files: anything else is refused."""
+    names = []
+    for entry in sorted(os.scandir(directory), key=lambda e: e.name):
+        if not entry.is_file(follow_symlinks=False):
+            raise ProcessTreeError(None, f"the tree left {entry.path} in its /dev/shm, which is not a regular file; "
+                                         "vsnap saves only files there", phase="criu dump")
+        names.append(entry.name)
+    return names
 
 
 def put_back(saved_dir: Path, names: list[str], directory: Path) -> None:

@@ -88,3 +88,17 @@ def test_orphaned_shm_directories_go_and_nothing_else(tmp_path: Path) -> None:
             if path.is_dir():
                 path.rmdir()
         link.unlink(missing_ok=True)
+
+
+def test_every_regular_file_of_a_trees_shm_is_saved_and_nothing_else(tmp_path: Path) -> None:
+    from vsnap._shm import tree_shm_files
+    from vsnap.protocol.errors import ProcessTreeError
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    for name in ("link_remap.3", "psm_1a2b", "sem.mp-x"):
+        (shm / name).write_bytes(b"x")
+    assert tree_shm_files(shm) == ["link_remap.3", "psm_1a2b", "sem.mp-x"]
+    (shm / "sub").mkdir()
+    with pytest.raises(ProcessTreeError, match="sub in its /dev/shm, which is not a regular file"):
+        tree_shm_files(shm)
