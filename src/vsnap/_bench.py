@@ -23,6 +23,7 @@ logs to ``out_dir`` (the error then names the copy).
 from __future__ import annotations
 
 import datetime as dt
+import io
 import json
 import math
 import shutil
@@ -50,6 +51,7 @@ from ._proctree import launch_tree
 from ._restore import RestoredServer, _wait_status, hand_over_listener, restore_image, stop_server
 from ._shm import instance_shm_dir, remove_instance_shm
 from ._spec import ModelSpec
+from ._trust import copy_no_follow, make_trusted_dirs
 
 BENCH_PROMPTS = 32
 BENCH_TOKENS = 16
@@ -170,7 +172,7 @@ def make_bench_dirs(spec: ModelSpec, cleanup: Cleanup) -> BenchDirs:
     check_parent(spec.image_dir)
     image_work = Path(tempfile.mkdtemp(prefix=f".{spec.image_dir.name}.bench-", dir=spec.image_dir.parent))
     cleanup.on_exit(shutil.rmtree, image_work, True)
-    spec.control_dir.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    make_trusted_dirs(spec.control_dir.parent)  # never through a directory or link someone else owns
     control_work = Path(tempfile.mkdtemp(prefix=f".{spec.control_dir.name}.bench-", dir=spec.control_dir.parent))
     cleanup.on_exit(shutil.rmtree, control_work, True)
     dirs = BenchDirs(image_work, control_work)
@@ -230,11 +232,12 @@ def keep_evidence(error: BaseException, dirs: BenchDirs, out_dir: Path | None, s
         for log in sorted(root.rglob("*.log")):
             if log.is_symlink() or not log.is_file() or dirs.cache in log.parents:
                 continue
-            kept.mkdir(parents=True, exist_ok=True)
             copy = kept / "-".join(log.relative_to(root).parts[-2:])
             try:
-                shutil.copyfile(log, copy)
-            except OSError:
+                make_trusted_dirs(kept)
+                copy.unlink(missing_ok=True)  # an earlier failure's copy (the name, never a link's target)
+                copy_no_follow(log, copy)
+            except (OSError, VsnapError):
                 continue
             copies[str(log)] = copy
     if isinstance(error, VsnapError) and error.log_path and str(error.log_path) in copies:
@@ -284,7 +287,8 @@ print(5 * n / (time.perf_counter() - t))
 
 
 def h2d_bandwidth() -> float | None:
-    out = subprocess.run([sys.executable, "-c", H2D_PROBE], capture_output=True, text=True, timeout=300)
+    # from / : `python -c` puts its working directory first on sys.path
+    out = subprocess.run([sys.executable, "-c", H2D_PROBE], capture_output=True, text=True, timeout=300, cwd="/")
     try:
         return float(out.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
@@ -300,6 +304,8 @@ def run_bench(spec: ModelSpec, *, runs: int = 3, cold_runs: int | None = None, l
               out_dir: Path | None = None, on_event: ProgressCallback | None = None) -> dict[str, Any]:
     timings = Timings(on_event)
     with timings.phase("preflight"):
+        if out_dir is not None:
+            make_trusted_dirs(out_dir)  # before minutes of measuring: the record must be writable safely
         require_host(spec.engine)
         model_dir = resolve_model(spec)
     stem = f"bench-{spec.name}-{dt.date.today().isoformat()}" + ("-lazy-pages" if lazy_pages else "")
@@ -415,9 +421,10 @@ def _measure(spec: ModelSpec, own: ModelSpec, dirs: BenchDirs, model_dir: Path, 
 
 
 def write_record(record: dict[str, Any], out_dir: Path, stem: str) -> Path:
-    """JSON, a markdown table and (when matplotlib is there) a plot."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{stem}.json").write_text(json.dumps(record, indent=2) + "\n")
+    """JSON, a markdown table and (when matplotlib is there) a plot, written atomically into a
+    directory that is root's alone (a link planted at a record's name is replaced, never followed)."""
+    make_trusted_dirs(out_dir)
+    control.write_atomic(out_dir, f"{stem}.json", (json.dumps(record, indent=2) + "\n").encode())
     lines = [f"# {record['model']} on {record['gpu'] or 'CPU'} ({record['date']})", "",
              f"`{record['command']}`", "", "| | seconds |", "|---|---|",
              f"| cold start to first token, fully cold | {record['cold_start_fully_cold_s']:.2f} |",
@@ -449,21 +456,23 @@ def write_record(record: dict[str, Any], out_dir: Path, stem: str) -> Path:
                 position = "-" if c["first_mismatch_position"] is None else c["first_mismatch_position"]
                 lines.append(f"| {c['actual']} vs {c['expected']} | {c['mismatched_prompts']} of {c['prompts']} | "
                              f"{position} | {c['max_logprob_diff']:.3g} |")
-    png = out_dir / f"{stem}.png"
-    if plot(record, png):
-        lines += ["", f"![restore vs cold start]({png.name})"]
-    (out_dir / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    png = plot(record)
+    if png is not None:
+        control.write_atomic(out_dir, f"{stem}.png", png)
+        lines += ["", f"![restore vs cold start]({stem}.png)"]
+    control.write_atomic(out_dir, f"{stem}.md", ("\n".join(lines) + "\n").encode())
     return out_dir / f"{stem}.md"
 
 
-def plot(record: dict[str, Any], png: Path) -> bool:
+def plot(record: dict[str, Any]) -> bytes | None:
+    """The record as a PNG (None without matplotlib)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return False
+        return None
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
     labels = ["cold (fully)", "cold (warm cache)", "restore"]
     values = [record["cold_start_fully_cold_s"], record["cold_start_to_first_token_s_median"],
@@ -480,6 +489,7 @@ def plot(record: dict[str, Any], png: Path) -> bool:
     right.set_ylabel("seconds")
     right.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1, 1))
     fig.tight_layout()
-    fig.savefig(png, dpi=110)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110)
     plt.close(fig)
-    return True
+    return buffer.getvalue()

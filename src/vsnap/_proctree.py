@@ -106,8 +106,11 @@ def launch_tree(control_dir: Path, instance_dir: Path, shm_dir: Path, env: dict[
     # 0600 from the start: CRIU checks the log's mode when it reopens it at restore
     log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     try:
-        process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, close_fds=True, env=env,
-                                   start_new_session=True)
+        # From / and with PYTHONSAFEPATH: `python -m` would otherwise put the caller's working
+        # directory first on sys.path, and a module someone planted there would run as root, in the
+        # capture and (frozen into the image) in every restore.
+        process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, close_fds=True,
+                                   env={**env, "PYTHONSAFEPATH": "1"}, cwd="/", start_new_session=True)
     finally:
         os.close(log)
     deadline = time.monotonic() + timeout_s

@@ -6,7 +6,8 @@ restores, validates or replaces only what no one else could have chosen:
 * the image directory, every file and directory in it, and every ancestor of it are owned by
   root (this process's user) and not writable by group or others (a root-owned sticky directory
   such as /tmp may be an ancestor: others cannot rename or remove what root put there);
-* nothing in the image is a symlink, a device, a FIFO or a socket;
+* nothing in the image is a symlink, a device, a FIFO or a socket, and no file has a second name
+  (a hard link) elsewhere;
 * every path the manifest names is a plain relative path inside the image (no `..`, no absolute
   path, no empty part) and every name it asks vsnap to create elsewhere is one plain file name;
 * the directories vsnap writes into (the control directory and its instances) have trusted
@@ -25,12 +26,17 @@ from typing import Iterable
 from .protocol.errors import ImageUntrusted
 
 
-def _owner_and_mode(path: Path, st: os.stat_result, what: str) -> None:
+DIRECTORY_HINT = ("a directory vsnap reads from or writes into, and its parents, must be root's alone: "
+                  "chown root and chmod go-w it, or choose another directory")
+
+
+def _owner_and_mode(path: Path, st: os.stat_result, what: str, hint: str = "") -> None:
     if st.st_uid != os.geteuid():
-        raise ImageUntrusted(path, f"{what} is owned by uid {st.st_uid}, not by root (uid {os.geteuid()})")
+        raise ImageUntrusted(path, f"{what} is owned by uid {st.st_uid}, not by root (uid {os.geteuid()})", hint=hint)
     sticky_root_dir = stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX
     if st.st_mode & 0o022 and not sticky_root_dir:
-        raise ImageUntrusted(path, f"{what} has mode {stat.S_IMODE(st.st_mode):04o}: group or others can write it")
+        raise ImageUntrusted(path, f"{what} has mode {stat.S_IMODE(st.st_mode):04o}: group or others can write it",
+                             hint=hint)
 
 
 def require_trusted_ancestors(path: Path) -> None:
@@ -46,10 +52,11 @@ def require_trusted_ancestors(path: Path) -> None:
             return  # created by vsnap from here down, privately
         if stat.S_ISLNK(st.st_mode):
             if st.st_uid != os.geteuid():
-                raise ImageUntrusted(ancestor, f"is a symlink owned by uid {st.st_uid}; vsnap follows only root's links")
+                raise ImageUntrusted(ancestor, f"is a symlink owned by uid {st.st_uid}; vsnap follows only root's links",
+                                     hint=DIRECTORY_HINT)
             require_trusted_ancestors(Path(os.path.realpath(ancestor)) / "x")
             continue
-        _owner_and_mode(ancestor, st, "a parent directory")
+        _owner_and_mode(ancestor, st, "a parent directory", DIRECTORY_HINT)
 
 
 def make_trusted_dirs(path: Path) -> Path:
@@ -74,7 +81,7 @@ def make_trusted_dirs(path: Path) -> Path:
     st = os.lstat(path)
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
         raise ImageUntrusted(path, "is not a real directory", hint="remove it, or choose another directory")
-    _owner_and_mode(path, st, "the directory")
+    _owner_and_mode(path, st, "the directory", DIRECTORY_HINT)
     return path
 
 
@@ -103,6 +110,9 @@ def require_trusted_tree(root: Path) -> list[str]:
                 _owner_and_mode(path, entry, "a directory of the image")
             elif stat.S_ISREG(entry.st_mode):
                 _owner_and_mode(path, entry, "a file of the image")
+                if entry.st_nlink != 1:  # another name for it may lie where someone else can write
+                    raise ImageUntrusted(path, f"has {entry.st_nlink} hard links; an image file must have one",
+                                         hint="copy the image into a new directory (cp -r), do not link it")
                 files.append(rel)
             else:
                 raise ImageUntrusted(path, "is not a regular file or directory")

@@ -61,6 +61,8 @@ def _validate_spec(path: Path) -> ValidationReport:
         report.checks.append(run_check("vllm arguments", lambda: require_supported_args(spec, str(path))))
     report.checks.append(run_check("image directory", lambda: (
         require_trusted_ancestors(spec.image_dir), f"{spec.image_dir.parent} is root's alone (or will be made so)")[1]))
+    report.checks.append(run_check("control directory", lambda: (
+        require_trusted_ancestors(spec.control_dir), f"{spec.control_dir.parent} is root's alone (or will be made so)")[1]))
     return report
 
 

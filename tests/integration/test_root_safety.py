@@ -230,3 +230,77 @@ def test_a_restore_holds_the_image_until_its_weights_are_read(captured: Captured
         if restore.poll() is None:
             restore.kill()
     assert run_vsnap("stop", json.loads(out)["instance"]).returncode == 0
+
+
+def test_modules_in_the_callers_working_directory_never_run(captured: CapturedImage, tmp_path: Path) -> None:
+    """The second hostile pass: the tree inherited the caller's working directory, and `python -m`
+    put it first on sys.path: a json.py (or httptools.py, imported at serve) planted there ran as root."""
+    planted = tmp_path / "eve"
+    planted.mkdir()
+    os.chmod(planted, 0o777)
+    marker = tmp_path / "pwned"
+    for module in ("json", "httptools", "uvicorn", "vsnap"):
+        (planted / f"{module}.py").write_text(f"open({str(marker)!r}, 'a').write('{module}\\n')\nraise ImportError\n")
+    spec = write_spec(tmp_path, "cwd")
+    result = subprocess.run([VSNAP, "capture", str(spec)], cwd=planted, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    restored = subprocess.run([VSNAP, "restore", str(tmp_path / "images" / "cwd"), "--port", "0", "--detach", "--json"],
+                              cwd=planted, capture_output=True, text=True, timeout=300)
+    assert restored.returncode == 0, restored.stderr
+    assert run_vsnap("stop", json.loads(restored.stdout)["instance"]).returncode == 0
+    assert not marker.exists()
+
+
+def test_bench_writes_no_record_through_a_planted_link(tmp_path: Path) -> None:
+    """The second hostile pass: `vsnap bench --out` wrote through links planted at the record names."""
+    out = tmp_path / "out"
+    out.mkdir(mode=0o700)
+    victim = tmp_path / "victim"
+    victim.write_text("root's file")
+    spec = write_spec(tmp_path, "benchlink")
+    from datetime import date
+
+    (out / f"bench-benchlink-{date.today().isoformat()}.md").symlink_to(victim)
+    result = run_vsnap("bench", str(spec), "--runs", "1", "--cold-runs", "1", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    assert victim.read_text() == "root's file"
+    assert not (out / f"bench-benchlink-{date.today().isoformat()}.md").is_symlink()
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    result = run_vsnap("bench", str(spec), "--runs", "1", "--cold-runs", "1", "--out", str(shared / "o"))
+    assert result.returncode == 4 and "group or others can write it" in result.stderr
+    assert "✗ preflight" in result.stderr and "✓ capture" not in result.stderr  # refused before measuring
+
+
+def test_sighup_tears_a_capture_down_like_ctrl_c(tmp_path: Path) -> None:
+    """The second hostile pass: SIGHUP (a closed terminal) ended vsnap at once and left the tree,
+    the staging directory (process memory), the /dev/shm directory and the record behind."""
+    spec = write_spec(tmp_path, "hup")
+    control_dir = tmp_path / "control" / "hup"
+    capture = subprocess.Popen([VSNAP, "capture", str(spec)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not engine_processes(control_dir) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    capture.send_signal(signal.SIGHUP)
+    _, err = capture.communicate(timeout=60)
+    assert capture.returncode == 130, err
+    assert engine_processes(control_dir, launching=True) == []
+    images = tmp_path / "images"
+    assert [p.name for p in images.iterdir() if ".staging-" in p.name] == []
+    instance = [p.name for p in Path(f"{control_dir}.instances").iterdir()]
+    assert instance and not any(Path(f"/dev/shm/vsnap-{name}").exists() for name in instance)
+    assert not any(Path(f"/run/vsnap/captures/{name}.json").exists() for name in instance)
+
+
+def test_validate_spec_checks_the_control_directory_parents(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    spec = tmp_path / "s.yaml"
+    spec.write_text(f"name: s\nengine: cpu\nimage: {tmp_path}/images/s\nsnapshot:\n  control_dir: {shared}/ctl\n")
+    result = run_vsnap("validate", str(spec), "--json")
+    checks = {c["name"]: c for c in json.loads(result.stdout)["checks"]}
+    assert result.returncode == 4 and not checks["control directory"]["ok"]
+    assert "group or others can write it" in checks["control directory"]["detail"]
+    assert not (shared / "ctl").exists()  # validate creates nothing

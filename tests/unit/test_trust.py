@@ -182,3 +182,10 @@ def test_a_dependency_that_is_not_a_regular_file_is_named_not_read(tmp_path: Pat
     deps = [Dependency(path=str(fifo), size=0, sha256="0" * 64), Dependency(path="/dev/zero", size=0, sha256="0" * 64)]
     assert dependency_mismatches(deps, hash_files=True) == [
         (f"file {fifo}", "a regular file", "something else"), ("file /dev/zero", "a regular file", "something else")]
+
+
+def test_an_image_file_with_a_second_name_is_refused(tmp_path: Path) -> None:
+    image = make_image(tmp_path)
+    os.link(image / "criu" / "pages-1.img", tmp_path / "elsewhere")
+    with pytest.raises(ImageUntrusted, match="pages-1.img: has 2 hard links"):
+        require_trusted_tree(image)

@@ -42,6 +42,7 @@ def test_plain_single_gpu_args_accepted(tiny_llama: Path) -> None:
     ({"node_rank": 1}, "node_rank"),
     ({"distributed_executor_backend": "ray"}, "distributed_executor_backend"),
     ({"logprobs_mode": "raw_logits"}, "logprobs_mode"),
+    ({"trust_remote_code": True}, "trust_remote_code"),
     ({"logprobs_mode": "processed_logits"}, "logprobs_mode"),
 ])
 def test_argument_rules_name_the_argument(tiny_llama: Path, serve: dict, argument: str) -> None:

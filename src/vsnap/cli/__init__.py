@@ -124,7 +124,10 @@ def error_boundary(fn: F) -> F:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        signal.signal(signal.SIGTERM, _raise_interrupt)
+        # SIGTERM and SIGHUP (a closed terminal) tear down like Ctrl-C: the default action would end
+        # vsnap at once and leave its tree, staging directory and records to the next run's pruning
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, _raise_interrupt)
         try:
             return fn(*args, **kwargs)
         except VsnapError as error:

@@ -2,7 +2,9 @@
 
 Text that comes from outside (paths, spec keys, messages that quote them) is escaped before rich
 sees it, and the consoles replace no :emoji: codes: a key named "[/]" in a model.yaml is printed,
-not read as markup (it made rich raise MarkupError).
+not read as markup (it made rich raise MarkupError). Control characters in text (an image's
+manifest can hold ESC sequences that would drive root's terminal) are shown as ``\\xNN``: the
+consoles clean every segment of text they render, whatever the caller forgot.
 """
 
 from __future__ import annotations
@@ -11,8 +13,12 @@ import json
 import sys
 from typing import Any
 
+import re
+from typing import Iterable
+
 from rich.console import Console
 from rich.markup import escape
+from rich.segment import Segment
 from rich.table import Table
 
 from ..protocol.errors import VsnapError
@@ -20,8 +26,29 @@ from .._events import PhaseEvent
 
 JSON_FORMAT_VERSION = 1
 
-stdout = Console(highlight=False, soft_wrap=True, emoji=False)
-stderr = Console(stderr=True, highlight=False, soft_wrap=True, emoji=False)
+# C0 controls but tab and newline, DEL, C1 controls (0x9b is CSI on many terminals)
+CONTROL_CHARACTERS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def clean(text: str) -> str:
+    """``text`` with every control character (ESC included) written as ``\\xNN``."""
+    return CONTROL_CHARACTERS.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
+class CleanConsole(Console):
+    """A rich Console whose rendered text never carries control characters (its own styling and
+    cursor controls, which are not text, pass)."""
+
+    def render(self, renderable: Any, options: Any = None) -> Iterable[Segment]:
+        for segment in super().render(renderable, options):
+            if segment.control or not CONTROL_CHARACTERS.search(segment.text):
+                yield segment
+            else:
+                yield Segment(clean(segment.text), segment.style, segment.control)
+
+
+stdout = CleanConsole(highlight=False, soft_wrap=True, emoji=False)
+stderr = CleanConsole(stderr=True, highlight=False, soft_wrap=True, emoji=False)
 
 
 class PhaseProgress:
@@ -73,10 +100,10 @@ def print_error(error: VsnapError, as_json: bool) -> None:
     if as_json:
         print_json("error", error.to_dict())
         return
-    stderr.print(f"[bold red]error:[/] {escape(error.message)}")
+    stderr.print(f"[bold red]error:[/] {escape(clean(error.message))}")
     for issue in getattr(error, "issues", [])[1:]:  # a SpecError: every issue, each on its line
-        stderr.print(f"       {issue}", markup=False)
+        stderr.print(f"       {clean(str(issue))}", markup=False)
     if error.hint:
-        stderr.print(f"[yellow]hint:[/] {escape(error.hint)}")
+        stderr.print(f"[yellow]hint:[/] {escape(clean(error.hint))}")
     if error.log_path:
-        stderr.print(f"log:  {error.log_path}", markup=False)
+        stderr.print(f"log:  {clean(error.log_path)}", markup=False)

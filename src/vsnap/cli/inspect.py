@@ -23,7 +23,7 @@ def inspect(
     if as_json:
         _render.print_json("inspect", {"image": str(image), "manifest": manifest.model_dump(mode="json")})
         return
-    table = Table(title=escape(f"image {image}"), title_justify="left", show_header=False)
+    table = Table(title=escape(_render.clean(f"image {image}")), title_justify="left", show_header=False)
     table.add_column("key")
     table.add_column("value", overflow="fold")
     h = manifest.host
@@ -43,7 +43,7 @@ def inspect(
         rows.insert(7, ("weights file", f"{weights / 1e6:.1f} MB (streamed back at restore)"))
     rows += [(f"process {p['pid']}", process_line(p)) for p in manifest.processes]
     for key, value in rows:
-        table.add_row(key, escape(value))  # values hold "[heap]" and paths, not rich markup
+        table.add_row(key, escape(_render.clean(value)))  # values hold "[heap]" and paths, not markup or ESC
     _render.stdout.print(table)
 
 

@@ -52,10 +52,10 @@ def ps_table(running: Iterable[_instances.InstanceRecord], gone: Iterable[_insta
     table.add_column("up", justify="right", no_wrap=True)
     for record in running:
         up = compact_duration(now - record.started_at) if record.state == "serving" else record.state
-        table.add_row(Text(record.id), Text(record.image), short_gpu(record.gpu), Text(address(record.url)),
+        table.add_row(Text(record.id), Text(_render.clean(record.image)), short_gpu(record.gpu), Text(address(record.url)),
                       str(record.pid), up)
     for record in gone:  # plain Text: ids and paths are never read as markup or :emoji: codes
-        table.add_row(Text(record.id), Text(record.image), short_gpu(record.gpu), "-", str(record.pid),
+        table.add_row(Text(record.id), Text(_render.clean(record.image)), short_gpu(record.gpu), "-", str(record.pid),
                       Text("gone", style="dim"))
     return table
 

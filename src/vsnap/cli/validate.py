@@ -45,7 +45,7 @@ def validate(
         table.add_column("")
         table.add_column("detail", overflow="fold")
         for c in report.checks:
-            table.add_row(Text(c.name), "[green]ok[/]" if c.ok else "[red]FAIL[/]", Text(detail(c)))
+            table.add_row(Text(c.name), "[green]ok[/]" if c.ok else "[red]FAIL[/]", Text(_render.clean(detail(c))))
         _render.stdout.print(table)
     error = report.first_error
     if error is not None:

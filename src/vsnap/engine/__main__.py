@@ -135,6 +135,10 @@ def main() -> int:
         print("usage: python -m vsnap.engine CONTROL_DIR", file=sys.stderr)
         return 2
     control_dir = Path(sys.argv[1])
+    # Python 3.10 has no PYTHONSAFEPATH: drop the working directory `-m` put first on sys.path
+    # (the launcher starts the tree from /, but never import from wherever that is)
+    if not getattr(sys.flags, "safe_path", False) and sys.path and sys.path[0] in ("", os.getcwd()):
+        del sys.path[0]
     try:
         os.setsid()
     except OSError:

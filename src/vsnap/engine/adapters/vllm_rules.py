@@ -163,6 +163,9 @@ def argument_refusals(args: argparse.Namespace, environ: dict[str, str] | None =
             refuse(name, "snapshots need local single-rank execution")
     if getattr(args, "distributed_executor_backend", None) not in (None, "mp", "uni"):
         refuse("distributed_executor_backend", "snapshots need a local executor (mp or uni)")
+    if getattr(args, "trust_remote_code", False):
+        refuse("trust_remote_code", "vsnap runs the engine as root: the model's own Python code would run as root "
+                                    "(use a model vLLM supports natively)")
     if getattr(args, "logprobs_mode", None) in ("raw_logits", "processed_logits"):
         refuse("logprobs_mode", "the oracle compares log probabilities, not logits")
     if platform.system() != "Linux" or platform.machine() != "x86_64":

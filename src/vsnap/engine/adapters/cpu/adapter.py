@@ -32,9 +32,6 @@ from .scheduler import Scheduler
 MAX_WAITING = 64  # requests queued for a running slot before new ones get HTTP 503
 
 
-MAX_CONNECTIONS = 256
-
-
 class CpuAdapter(EngineAdapter):
     def __init__(self, launch: Any) -> None:
         super().__init__(launch)
@@ -124,11 +121,11 @@ class CpuAdapter(EngineAdapter):
 
         app = build_app(self.scheduler, self.launch.served_model_name)
         # A stream still open at shutdown is cut after 5 s, not waited for.
-        # At most MAX_CONNECTIONS connections at once (more get 503 from uvicorn): idle clients
-        # cannot pile up file descriptors and memory in the root engine.
+        # Idle keep-alive connections are closed after 5 s. uvicorn's limit_concurrency is not used:
+        # it counts connections that never sent a request, so a few hundred idle clients would make
+        # the server answer 503 to everyone (found by the second hostile pass).
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=5, limit_concurrency=MAX_CONNECTIONS,
-                                timeout_keep_alive=5)
+                                timeout_graceful_shutdown=5, timeout_keep_alive=5)
         await uvicorn.Server(config).serve(sockets=[sock])
 
     async def shutdown(self) -> None:
