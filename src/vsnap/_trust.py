@@ -137,8 +137,30 @@ def require_plain_names(names: Iterable[str], what: str) -> None:
                                  hint="the manifest was altered; capture the image again")
 
 
+def _copy_data(src: int, dst: int, size: int) -> None:
+    """Copy only the data regions (SEEK_DATA/SEEK_HOLE) and keep the holes: vLLM's shared-memory
+    rings in /dev/shm are 400 MB files of which a few KB are written."""
+    offset = 0
+    while offset < size:
+        try:
+            start = os.lseek(src, offset, os.SEEK_DATA)
+        except OSError:  # ENXIO: only a hole is left
+            break
+        end = os.lseek(src, start, os.SEEK_HOLE)
+        os.lseek(dst, start, os.SEEK_SET)  # sendfile writes at the destination's own position
+        position = start
+        while position < end:
+            sent = os.sendfile(dst, src, position, end - position)
+            if sent == 0:
+                break
+            position += sent
+        offset = end
+    os.ftruncate(dst, size)
+
+
 def copy_no_follow(source: Path, destination: Path) -> None:
-    """Copy a regular file, following no link on either side; the destination must not exist."""
+    """Copy a regular file, following no link on either side, keeping its holes; the destination
+    must not exist."""
     src = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         st = os.fstat(src)
@@ -147,8 +169,7 @@ def copy_no_follow(source: Path, destination: Path) -> None:
         dst = os.open(destination, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                       stat.S_IMODE(st.st_mode) & 0o700)
         try:
-            while os.sendfile(dst, src, None, 1 << 30):
-                pass
+            _copy_data(src, dst, st.st_size)
             os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
         finally:
             os.close(dst)

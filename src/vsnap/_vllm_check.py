@@ -23,8 +23,11 @@ def require_supported_args(spec: ModelSpec, source: str = "model.yaml") -> str:
         from .engine.adapters import vllm_rules
     except ImportError as exc:  # pragma: no cover - the module itself has no hard imports
         raise HostNotReady("engine", f"cannot load the vLLM rules: {exc}") from None
+    from ._host import vllm_device
+
+    cuda = vllm_device() == "cuda"
     try:
-        args, refusals = vllm_rules.parse_serve_args(str(spec.model), dict(spec.serve))
+        args, refusals = vllm_rules.parse_serve_args(str(spec.model), dict(spec.serve), cuda=cuda)
     except ImportError as exc:
         raise HostNotReady("engine", f"vLLM cannot be imported: {exc}", hint="pip install 'vsnap[vllm]'") from None
     if args is None or refusals:
@@ -32,4 +35,14 @@ def require_supported_args(spec: ModelSpec, source: str = "model.yaml") -> str:
     refusals = vllm_rules.argument_refusals(args, environ={**os.environ, "VLLM_WORKER_MULTIPROC_METHOD": "spawn"})
     if refusals:
         raise _issues(source, refusals)
+    if not cuda:  # the CPU backend's model rules (its attention's head sizes) need the resolved config
+        try:
+            config = vllm_rules.resolve_config(args)
+        except Exception as exc:  # vLLM's own refusal of the configuration, in its words
+            raise _issues(source, [vllm_rules.Refusal("serve", f"vLLM refuses the configuration: {exc}")]) from None
+        refusals = vllm_rules.config_refusals(config, is_cuda=False)
+        if refusals:
+            raise _issues(source, refusals)
+        return (f"{len(spec.serve)} serve arguments and the resolved configuration accepted by vLLM and the "
+                "snapshot rules (CPU backend)")
     return f"{len(spec.serve)} serve arguments accepted by vLLM's parser and the snapshot rules"

@@ -189,3 +189,21 @@ def test_an_image_file_with_a_second_name_is_refused(tmp_path: Path) -> None:
     os.link(image / "criu" / "pages-1.img", tmp_path / "elsewhere")
     with pytest.raises(ImageUntrusted, match="pages-1.img: has 2 hard links"):
         require_trusted_tree(image)
+
+
+def test_copies_keep_the_holes_of_sparse_files(tmp_path: Path) -> None:
+    """vLLM's shared-memory rings are 400 MB files with a few KB written: an image and each
+    restore's /dev/shm must not hold 400 MB of zeros."""
+    source = tmp_path / "psm_ring"
+    with open(source, "wb") as f:
+        f.write(b"head")
+        f.seek(64 << 20)
+        f.write(b"middle")
+        f.truncate(200 << 20)
+    copy_no_follow(source, tmp_path / "copy")
+    copied = tmp_path / "copy"
+    assert copied.stat().st_size == source.stat().st_size
+    assert copied.stat().st_blocks * 512 < (1 << 20)  # a few pages, not 200 MB
+    with open(source, "rb") as a, open(copied, "rb") as b:
+        while (chunk := a.read(8 << 20)):
+            assert chunk == b.read(8 << 20)

@@ -1,4 +1,12 @@
-"""Real vLLM (AsyncLLM + its OpenAI app) on one CUDA GPU, with sleep mode and weight reload.
+"""Real vLLM (AsyncLLM + its OpenAI app): on one CUDA GPU with sleep mode and weight reload, or on
+vLLM's CPU backend.
+
+CPU backend: there is no CUDA state and vLLM refuses sleep mode, so nothing is released: the
+weights and the (small, see vllm_rules.CPU_KV_CACHE_BYTES) KV cache stay in the tree's memory,
+in the image. prepare() computes the oracle and prebuilds the app; recover() has nothing to
+refill; the launcher re-runs the oracle as on a GPU.
+
+On CUDA:
 
 prepare(): oracle, the weights file (vllm_weights), a sleep/wake rehearsal (so a restore never
 runs a path that was never run), then sleep level 2 (weights and KV cache released: little GPU
@@ -22,7 +30,7 @@ from typing import Any
 from ...protocol.control import Activation
 from ...protocol.errors import EngineError, OracleMismatch
 from ...protocol.oracle import Oracle, OracleSample, compare_oracles
-from . import vllm_rules, vllm_weights
+from . import vllm_compat, vllm_rules, vllm_weights
 from .base import EngineAdapter
 
 
@@ -43,35 +51,38 @@ class VllmAdapter(EngineAdapter):
         self.engine: Any = None
         self.args: Any = None
         self.app: Any = None  # vLLM's OpenAI app, built before the capture when possible
-        # "file": weights come back from the image's weights file; "model": through vLLM's loader
+        # "file": weights come back from the image's weights file; "model": through vLLM's loader;
+        # "image memory": the CPU backend, where they never left
         self.weights_source = "model"
+        self.cuda = True
 
     async def build(self) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.entrypoints.openai.cli_args import validate_parsed_serve_args
-        from vllm.platforms import current_platform
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
         # import the serving stack now, so that it is in the image and not paid for at restore
-        from vllm.entrypoints.openai import api_server  # noqa: F401
+        vllm_compat.server_module()
 
-        args, refusals = vllm_rules.parse_serve_args(self.launch.model, self.launch.serve_args)
+        self.cuda = vllm_rules.on_cuda()
+        args, refusals = vllm_rules.parse_serve_args(self.launch.model, self.launch.serve_args, cuda=self.cuda)
         if args is None:
             raise _refuse("build engine", refusals)
         refusals = vllm_rules.argument_refusals(args)
         if refusals:
             raise _refuse("build engine", refusals)
-        validate_parsed_serve_args(args)
+        vllm_compat.get("validate_parsed_serve_args")(args)
         args.served_model_name = [self.launch.served_model_name]
-        if not args.worker_extension_cls:  # a user's extension wins (then: no weights file, vLLM's graph pool)
+        if not self.cuda:
+            self.weights_source = "image memory"
+        elif not args.worker_extension_cls:  # a user's extension wins (then: no weights file, vLLM's graph pool)
             args.worker_extension_cls = vllm_weights.EXTENSION
             # the worker, spawned below, captures its CUDA graphs into the sleep allocator
             os.environ.setdefault(vllm_weights.GRAPH_POOL_ENV, "sleep")
         self.args = args
         engine_args = AsyncEngineArgs.from_cli_args(args)
         config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
-        refusals = vllm_rules.config_refusals(config, is_cuda=current_platform.is_cuda())
+        refusals = vllm_rules.config_refusals(config, is_cuda=self.cuda)
         if refusals:
             raise _refuse("build engine", refusals)
         self.engine = AsyncLLM.from_vllm_config(
@@ -125,6 +136,8 @@ class VllmAdapter(EngineAdapter):
         return False
 
     async def recover(self, activation: Activation) -> dict[str, Any]:
+        if not self.cuda:  # the CPU backend released nothing: weights and KV cache are in the image
+            return {"weights_source": self.weights_source}
         return await self._wake(activation.weights_dir)
 
     async def _wake(self, weights_dir: str | None) -> dict[str, Any]:
@@ -159,6 +172,10 @@ class VllmAdapter(EngineAdapter):
 
     async def prepare(self) -> Oracle:
         oracle = await self.run_oracle()
+        if not self.cuda:  # nothing to release or rehearse: the image holds the engine as it is
+            await self._prebuild_app()
+            self._freeze_gc_heap()
+            return oracle
         weights_dir = self.launch.weights_dir
         if weights_dir and self.args.worker_extension_cls == vllm_weights.EXTENSION:
             try:
@@ -179,13 +196,17 @@ class VllmAdapter(EngineAdapter):
             await self._rehearse(oracle)
         await self._sleep()
         await self._prebuild_app()
-        # vLLM's app freezes the GC heap when it starts serving: a full collection of every object,
-        # ~0.45 s for this process. Done now, it is in the image; at restore only objects made
-        # since are collected.
+        self._freeze_gc_heap()
+        return oracle
+
+    @staticmethod
+    def _freeze_gc_heap() -> None:
+        """vLLM's app freezes the GC heap when it starts serving: a full collection of every object,
+        ~0.45 s for this process. Done now, it is in the image; at restore only objects made since
+        are collected."""
         from vllm.utils.gc_utils import freeze_gc_heap
 
         freeze_gc_heap()
-        return oracle
 
     def _drop_weights_file(self, why: str) -> None:
         """Capture without the weights file: restores reload through vLLM's loader."""
@@ -196,8 +217,7 @@ class VllmAdapter(EngineAdapter):
     async def _prebuild_app(self) -> None:
         """Build vLLM's FastAPI app and its serving state now, so the image holds it and a restore
         does not spend most of a second on it. On any failure, serve() builds it as vLLM does."""
-        from vllm.entrypoints.openai.api_server import build_app, init_app_state
-
+        build_app, init_app_state = vllm_compat.get("build_app"), vllm_compat.get("init_app_state")
         try:
             tasks = await self.engine.get_supported_tasks()
             app = build_app(self.args, tasks, self.engine.model_config)
@@ -212,8 +232,8 @@ class VllmAdapter(EngineAdapter):
 
     async def serve(self, sock: socket.socket) -> None:
         from vllm import envs
-        from vllm.entrypoints.launcher import serve_http
-        from vllm.entrypoints.openai.api_server import build_and_serve
+
+        serve_http, build_and_serve = vllm_compat.get("serve_http"), vllm_compat.get("build_and_serve")
 
         host, port = sock.getsockname()[:2]
         self.args.host, self.args.port = host, port

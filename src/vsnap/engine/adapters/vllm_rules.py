@@ -5,9 +5,13 @@ Two stages, as in vLLM's startup-snapshot reference:
 * argument rules, on the parsed serve arguments, before anything starts: one Python HTTP
   frontend, one local rank, no external load balancing or expert parallelism, a local
   executor, logprobs that can be compared, Linux x86_64, spawned workers;
-* model rules, on the resolved VllmConfig, before workers are built: CUDA, a dense
-  unquantized generation model, no KV/EC transfer, speculation or LoRA, weights that can be
-  reloaded from safetensors, no CPU offload, sleep mode on.
+* model rules, on the resolved VllmConfig, before workers are built: a dense unquantized
+  generation model, no KV/EC transfer, speculation or LoRA, weights that can be reloaded from
+  safetensors, no CPU offload; on CUDA sleep mode on; on vLLM's CPU backend (no CUDA checkpoint,
+  no sleep: weights and KV cache stay in the image) a head size its attention supports.
+
+The same rules hold for vLLM 0.26.0 and 0.32.0; the names that moved between them come from
+vllm_compat.
 
 Every refusal is a ``Refusal(argument, reason)``; callers turn them into SpecError (at
 validate/capture time) or an engine error (inside the tree). vllm is imported lazily.
@@ -62,12 +66,21 @@ def ensure_platform() -> None:
         platforms._current_platform = CpuPlatform()
 
 
+def on_cuda() -> bool:
+    """Does this vLLM run on a CUDA GPU here (else on its CPU backend)?"""
+    ensure_platform()
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cuda())
+
+
 def make_parser() -> argparse.ArgumentParser:
     ensure_platform()  # before vLLM modules bind current_platform at import
-    from vllm.entrypoints.openai.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    return make_arg_parser(FlexibleArgumentParser(prog="vsnap"))
+    from . import vllm_compat
+
+    return vllm_compat.get("make_arg_parser")(FlexibleArgumentParser(prog="vsnap"))
 
 
 def serve_argv(parser: argparse.ArgumentParser, serve: dict[str, Any]) -> tuple[list[str], list[Refusal]]:
@@ -104,8 +117,18 @@ def serve_argv(parser: argparse.ArgumentParser, serve: dict[str, Any]) -> tuple[
     return argv, refusals
 
 
-def parse_serve_args(model: str, serve: dict[str, Any]) -> tuple[argparse.Namespace | None, list[Refusal]]:
-    """Parse with vLLM's own parser; a parse error becomes a refusal naming the argument."""
+# vLLM's CPU backend: the KV cache is ordinary memory, written at boot, so it is all in the
+# image. Unless the spec sets kv_cache_memory_bytes (or VLLM_CPU_KVCACHE_SPACE), vsnap sets this
+# (vLLM's own default takes 92 % of the machine's memory).
+CPU_KV_CACHE_BYTES = 256 << 20
+
+
+def parse_serve_args(model: str, serve: dict[str, Any], *, cuda: bool = True,
+                     environ: dict[str, str] | None = None) -> tuple[argparse.Namespace | None, list[Refusal]]:
+    """Parse with vLLM's own parser; a parse error becomes a refusal naming the argument.
+
+    On CUDA sleep mode is turned on (vsnap sleeps the engine before the checkpoint); on the CPU
+    backend, where vLLM refuses sleep mode, it stays off and the KV cache gets a small default."""
     parser = make_parser()
     argv, refusals = serve_argv(parser, serve)
     if refusals:
@@ -124,7 +147,10 @@ def parse_serve_args(model: str, serve: dict[str, Any]) -> tuple[argparse.Namesp
         return None, [Refusal("serve", f"vLLM refuses the arguments: {exc}")]
     except SystemExit:
         return None, [Refusal("serve", "vLLM refuses the arguments")]
-    args.enable_sleep_mode = True
+    args.enable_sleep_mode = cuda
+    env = os.environ if environ is None else environ
+    if not cuda and getattr(args, "kv_cache_memory_bytes", None) is None and "VLLM_CPU_KVCACHE_SPACE" not in env:
+        args.kv_cache_memory_bytes = CPU_KV_CACHE_BYTES
     return args, []
 
 
@@ -144,8 +170,9 @@ def argument_refusals(args: argparse.Namespace, environ: dict[str, str] | None =
         refuse("api_server_count", "snapshots need exactly one API server process")
     if getattr(args, "uds", None):
         refuse("uds", "snapshots serve on host:port given at restore")
-    if env.get("VLLM_USE_RUST_FRONTEND", "0") not in ("", "0"):
-        refuse("VLLM_USE_RUST_FRONTEND", "snapshots need the Python HTTP frontend")
+    for name in ("VLLM_USE_RUST_FRONTEND", "VLLM_USE_RUST_BENCH"):  # 0.32 starts it on either
+        if env.get(name, "0") not in ("", "0"):
+            refuse(name, "snapshots need the Python HTTP frontend")
     for name in SINGLE_RANK_SIZES:
         if getattr(args, name, 1) not in (None, 1):
             refuse(name, f"snapshots need {name}=1 (one GPU, one rank)")
@@ -185,7 +212,11 @@ def config_refusals(config: Any, *, is_cuda: bool) -> list[Refusal]:
     model = config.model_config
     parallel = config.parallel_config
     if not is_cuda:
-        refuse("device", "snapshots need a CUDA GPU (the CUDA checkpoint API)")
+        head_size = model.get_head_size()
+        supported = cpu_head_sizes()
+        if supported is not None and head_size not in supported:
+            refuse("model", f"head size {head_size} is not one vLLM's CPU attention supports "
+                            f"({', '.join(map(str, supported))})")
     if model.runner_type != "generate":
         refuse("runner", f"snapshots need a generation model, not {model.runner_type!r}")
     if model.is_multimodal_model:
@@ -211,6 +242,23 @@ def config_refusals(config: Any, *, is_cuda: bool) -> list[Refusal]:
         refuse("cpu_offload_gb", "CPU offload is not supported")
     if offload.prefetch.offload_group_size:
         refuse("offload_group_size", "CPU offload is not supported")
-    if not model.enable_sleep_mode:
+    if is_cuda and not model.enable_sleep_mode:
         refuse("enable_sleep_mode", "snapshots need sleep mode")
     return refusals
+
+
+def cpu_head_sizes() -> list[int] | None:
+    """The head sizes vLLM's CPU attention backend takes (a list, not a lower bound), or None."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    except ImportError:
+        return None
+    return sorted(CPUAttentionBackend.get_supported_head_sizes())
+
+
+def resolve_config(args: argparse.Namespace) -> Any:
+    """vLLM's own VllmConfig for parsed serve arguments (reads the model's config, loads nothing)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    return AsyncEngineArgs.from_cli_args(args).create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
