@@ -5,7 +5,9 @@ Imports vLLM (slow, seconds), so only for `engine: vllm` specs.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 
 from .protocol.errors import HostNotReady, SpecError, SpecIssue
 from ._spec import ModelSpec
@@ -18,7 +20,15 @@ def _issues(source: str, refusals: list) -> SpecError:
 
 
 def require_supported_args(spec: ModelSpec, source: str = "model.yaml") -> str:
-    """Parse the spec's serve arguments with vLLM's parser and apply the argument rules."""
+    """Parse the spec's serve arguments with vLLM's parser and apply the argument rules.
+
+    vLLM logs to stdout (its logging handler is bound to sys.stdout when vLLM is first imported);
+    here that goes to stderr, so that `--json` output stays one document on stdout."""
+    with contextlib.redirect_stdout(sys.stderr):
+        return _require_supported_args(spec, source)
+
+
+def _require_supported_args(spec: ModelSpec, source: str) -> str:
     try:
         from .engine.adapters import vllm_rules
     except ImportError as exc:  # pragma: no cover - the module itself has no hard imports
