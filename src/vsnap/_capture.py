@@ -32,7 +32,7 @@ from ._instances import (CaptureRecord, new_instance_dir, prune_dead_runs, regis
 from ._manifest import (CRIU_DIR, DUMP_LOG, ENGINE_LOG, FORMAT_VERSION, MANIFEST, SHM_DIR, WEIGHTS_DIR, Dependency,
                         HostFacts, ImageLaunch, Manifest)
 from ._proctree import LaunchedTree, is_same, kill_tree, launch_tree, mapped_and_open_files, tree_pids, wait_gone
-from ._trust import copy_no_follow, make_trusted_dirs, require_trusted_ancestors
+from ._trust import copy_no_follow, make_trusted_dirs, require_trusted_ancestors, require_trusted_model
 from ._netns import NETNS_KEY, netns_inode
 from ._shm import SHM, instance_shm_dir, remove_instance_shm, tree_shm_files
 from ._spec import ModelSpec, require_safe_directory
@@ -237,6 +237,8 @@ def capture_image(spec: ModelSpec, *, image_dir: Path | None = None, force: bool
         check_parent(image_dir)
         require_trusted_ancestors(control_dir)
         require_replaceable(image_dir, force)
+        if spec.model is not None:
+            require_trusted_model(Path(spec.model))
         if spec.engine == "vllm":
             from ._vllm_check import require_supported_args
 

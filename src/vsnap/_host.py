@@ -178,10 +178,16 @@ def dependency_mismatches(dependencies: list[Dependency], *, hash_files: bool) -
     without reading them twice).
     """
     from ._image import sha256_file
+    from ._trust import untrusted_file
 
     mismatches = []
+    checked: set[Path] = set()
     for dep in dependencies:
         path = Path(dep.path)
+        problem = untrusted_file(path, checked) if path.exists() else None
+        if problem:  # someone else could change it under a restored tree (a mapped .so, the weights)
+            mismatches.append((f"file {dep.path}", "root's alone", problem))
+            continue
         try:
             st = path.stat()
         except OSError:

@@ -190,11 +190,18 @@ def make_staging(image_dir: Path) -> Path:
 
 
 def remove_stale_staging(image_dir: Path) -> None:
-    """Drop staging directories that an interrupted capture of this image left (we hold the lock)."""
-    for leftover in image_dir.parent.glob(f".{image_dir.name}.staging-*"):
-        shutil.rmtree(leftover, ignore_errors=True)
-    for leftover in image_dir.parent.glob(f".{image_dir.name}.old-*"):
-        shutil.rmtree(leftover, ignore_errors=True)
+    """Drop staging directories that an interrupted capture of this image left (we hold the lock).
+
+    Only what vsnap makes: real directories, root's, private (mkdtemp's 0700). In a sticky parent
+    such as /tmp another user can create `.NAME.staging-x` too, and that is not ours to delete."""
+    for pattern in (f".{image_dir.name}.staging-*", f".{image_dir.name}.old-*"):
+        for leftover in image_dir.parent.glob(pattern):
+            try:
+                st = os.lstat(leftover)
+            except FileNotFoundError:
+                continue
+            if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077:
+                shutil.rmtree(leftover, ignore_errors=True)
 
 
 def checksum_tree(root: Path, skip: tuple[str, ...] = (MANIFEST,)) -> dict[str, FileEntry]:

@@ -175,3 +175,48 @@ def copy_no_follow(source: Path, destination: Path) -> None:
             os.close(dst)
     finally:
         os.close(src)
+
+
+MODEL_HINT = ("root loads the model and a restore relies on it staying as it was captured: "
+              "chown -R root:root and chmod -R go-w it, or copy it into a directory of root's")
+
+
+def untrusted_file(path: Path, checked: set[Path] | None = None) -> str | None:
+    """Why root should not rely on this host file staying unchanged (not root's, writable by
+    others, or below a directory others can write to), or None. ``checked`` caches ancestors."""
+    real = Path(os.path.realpath(path))
+    try:
+        st = os.stat(real)
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror})"
+    if st.st_uid != os.geteuid():
+        return f"owned by uid {st.st_uid}"
+    if st.st_mode & 0o022:
+        return f"mode {stat.S_IMODE(st.st_mode):04o}: group or others can write it"
+    parent = real.parent
+    if checked is None or parent not in checked:
+        try:
+            require_trusted_ancestors(real)
+        except ImageUntrusted as exc:
+            return f"below {exc.path}: {exc.reason}"
+        if checked is not None:
+            checked.add(parent)
+    return None
+
+
+def require_trusted_model(model_dir: Path) -> None:
+    """The model directory, everything in it and what its links point to are root's alone."""
+    checked: set[Path] = set()
+    problem = untrusted_file(model_dir, checked)
+    if problem:
+        raise ImageUntrusted(model_dir, f"the model directory is {problem}", hint=MODEL_HINT)
+    for dirpath, dirnames, filenames in os.walk(model_dir, followlinks=False):
+        for name in dirnames + filenames:
+            path = Path(dirpath) / name
+            link = os.lstat(path)
+            if stat.S_ISLNK(link.st_mode) and link.st_uid != os.geteuid():
+                raise ImageUntrusted(path, f"is a symlink owned by uid {link.st_uid} in the model directory",
+                                     hint=MODEL_HINT)
+            problem = untrusted_file(path, checked)
+            if problem:
+                raise ImageUntrusted(path, f"a file of the model is {problem}", hint=MODEL_HINT)

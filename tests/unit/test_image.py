@@ -105,3 +105,21 @@ def test_server_urls_are_usable_ipv6_bracketed(host: str, url: str) -> None:
     from vsnap._restore import server_url
 
     assert server_url(host, 8000) == url
+
+
+def test_only_vsnaps_own_leftovers_are_removed(tmp_path: Path) -> None:
+    """The third hostile pass: in a sticky parent, another user's `.NAME.staging-x` was deleted by root."""
+    from vsnap._image import remove_stale_staging
+
+    image = tmp_path / "img"
+    ours = make_staging(image)
+    theirs = tmp_path / ".img.staging-mine"
+    theirs.mkdir()
+    (theirs / "work.txt").write_text("precious")
+    os.chown(theirs, 65534, 65534)
+    shared = tmp_path / ".img.old-1"
+    shared.mkdir(mode=0o755)
+    os.chmod(shared, 0o755)
+    remove_stale_staging(image)
+    assert not ours.exists()
+    assert (theirs / "work.txt").read_text() == "precious" and shared.is_dir()

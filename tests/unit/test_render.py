@@ -23,3 +23,36 @@ def test_control_characters_are_shown_not_sent() -> None:
     assert "\x1b[2J" not in out and "\x9b" not in out and "\x07" not in out and "\x1b]0" not in out
     assert "img\\x1b" in out and "bad\\x1b]0;title" in out
     assert "\x1b[31merror:" in out  # rich's own colour still reaches the terminal
+
+
+def test_inspect_renders_any_process_entry_a_manifest_holds() -> None:
+    from vsnap.cli.inspect import process_line
+
+    assert process_line({"command": 5, "anonymous_bytes": "x", "largest_mappings": [{"bytes": "y"}, 3]}) \
+        == "5: 0 MB anonymous (largest: ? 0 MB)"
+    assert process_line({}) == "?: 0 MB anonymous"
+
+
+def test_a_full_disk_is_one_error_line_not_a_traceback(capsys) -> None:
+    import errno
+
+    import typer
+    import pytest as _pytest
+
+    from vsnap.cli import error_boundary
+
+    @error_boundary
+    def command(as_json: bool = False) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", "/run/vsnap/instances/x.json")
+
+    with _pytest.raises(typer.Exit) as exit_info:
+        command()
+    assert exit_info.value.exit_code == 1
+    assert "No space left on device writing /run/vsnap/instances/x.json" in capsys.readouterr().err
+
+    @error_boundary
+    def buggy(as_json: bool = False) -> None:
+        raise OSError(errno.EBADF, "Bad file descriptor")
+
+    with _pytest.raises(OSError):  # anything else is a bug and keeps its traceback
+        buggy()

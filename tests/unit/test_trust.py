@@ -181,7 +181,8 @@ def test_a_dependency_that_is_not_a_regular_file_is_named_not_read(tmp_path: Pat
     os.mkfifo(fifo)
     deps = [Dependency(path=str(fifo), size=0, sha256="0" * 64), Dependency(path="/dev/zero", size=0, sha256="0" * 64)]
     assert dependency_mismatches(deps, hash_files=True) == [
-        (f"file {fifo}", "a regular file", "something else"), ("file /dev/zero", "a regular file", "something else")]
+        (f"file {fifo}", "a regular file", "something else"),
+        ("file /dev/zero", "root's alone", "mode 0666: group or others can write it")]
 
 
 def test_an_image_file_with_a_second_name_is_refused(tmp_path: Path) -> None:
@@ -207,3 +208,28 @@ def test_copies_keep_the_holes_of_sparse_files(tmp_path: Path) -> None:
     with open(source, "rb") as a, open(copied, "rb") as b:
         while (chunk := a.read(8 << 20)):
             assert chunk == b.read(8 << 20)
+
+
+def test_a_model_or_dependency_someone_else_can_change_is_refused(tmp_path: Path) -> None:
+    """The third hostile pass: a model directory its user owned was changed after the capture, and
+    restores served the changed weights (the oracle's few prompts did not reach the rows changed)."""
+    from vsnap._host import dependency_mismatches
+    from vsnap._manifest import Dependency
+    from vsnap._trust import require_trusted_model
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"w" * 64)
+    require_trusted_model(model)
+    os.chown(model / "model.safetensors", NOBODY, NOBODY)
+    with pytest.raises(ImageUntrusted, match="a file of the model is owned by uid 65534"):
+        require_trusted_model(model)
+    dep = Dependency(path=str(model / "model.safetensors"), size=64, sha256="0" * 64)
+    assert dependency_mismatches([dep], hash_files=False) == [
+        (f"file {model / 'model.safetensors'}", "root's alone", "owned by uid 65534")]
+    os.chown(model / "model.safetensors", 0, 0)
+    (model / "secret").symlink_to("/etc/shadow")
+    os.lchown(model / "secret", NOBODY, NOBODY)
+    with pytest.raises(ImageUntrusted, match="is a symlink owned by uid 65534 in the model directory"):
+        require_trusted_model(model)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import functools
 import signal
 import sys
@@ -119,6 +120,10 @@ def _raise_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
+# A full or read-only disk is the host's condition, not a bug: one line, not a traceback
+DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+
+
 def error_boundary(fn: F) -> F:
     """Expected errors -> one line, hint, log path and the error's exit code. Bugs keep their traceback."""
 
@@ -131,6 +136,14 @@ def error_boundary(fn: F) -> F:
         try:
             return fn(*args, **kwargs)
         except VsnapError as error:
+            _render.print_error(error, bool(kwargs.get("as_json")))
+            raise typer.Exit(code=error.exit_code) from None
+        except OSError as exc:
+            if exc.errno not in DISK_ERRNOS:
+                raise  # anything else is a bug: keep its traceback
+            where = f" writing {exc.filename}" if exc.filename else ""
+            error = VsnapError(f"{exc.strerror}{where}", hint="free space on that filesystem (or make it writable), "
+                                                              "then run the command again; nothing was left half done")
             _render.print_error(error, bool(kwargs.get("as_json")))
             raise typer.Exit(code=error.exit_code) from None
         except KeyboardInterrupt:

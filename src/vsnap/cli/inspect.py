@@ -41,15 +41,22 @@ def inspect(
     weights = sum(e.size for rel, e in manifest.files.items() if rel.startswith(WEIGHTS_DIR + "/"))
     if weights:
         rows.insert(7, ("weights file", f"{weights / 1e6:.1f} MB (streamed back at restore)"))
-    rows += [(f"process {p['pid']}", process_line(p)) for p in manifest.processes]
+    rows += [(f"process {p.get('pid', '?')}", process_line(p)) for p in manifest.processes if isinstance(p, dict)]
     for key, value in rows:
         table.add_row(key, escape(_render.clean(value)))  # values hold "[heap]" and paths, not markup or ESC
     _render.stdout.print(table)
 
 
 def process_line(process: dict) -> str:
-    """One process of the tree at the dump: what it adds to the image (and moved off the GPU)."""
-    gpu = f", {process['gpu_bytes'] / 1e6:.0f} MB on the GPU before the checkpoint" if "gpu_bytes" in process else ""
-    largest = ", ".join(f"{m['name']} {m['bytes'] / 1e6:.0f} MB" for m in process.get("largest_mappings", [])[:3])
-    return (f"{process.get('command', '?')[:60]}: {process.get('anonymous_bytes', 0) / 1e6:.0f} MB anonymous{gpu}"
-            + (f" (largest: {largest})" if largest else ""))
+    """One process of the tree at the dump: what it adds to the image (and moved off the GPU).
+    Read defensively: the manifest may come from anyone (inspect runs no trust check)."""
+    def number(value: object) -> float:
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
+
+    gpu = f", {number(process.get('gpu_bytes')) / 1e6:.0f} MB on the GPU before the checkpoint" \
+        if "gpu_bytes" in process else ""
+    mappings = process.get("largest_mappings")
+    largest = ", ".join(f"{m.get('name', '?')} {number(m.get('bytes')) / 1e6:.0f} MB"
+                        for m in (mappings if isinstance(mappings, list) else [])[:3] if isinstance(m, dict))
+    return (f"{str(process.get('command', '?'))[:60]}: {number(process.get('anonymous_bytes')) / 1e6:.0f} MB "
+            f"anonymous{gpu}" + (f" (largest: {largest})" if largest else ""))

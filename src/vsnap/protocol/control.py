@@ -322,7 +322,7 @@ class OwnerHeartbeat:
             try:
                 self.beat()
             except OSError:
-                return
+                continue  # a full disk must not read as a dead owner for as long as writes fail
 
     def stop(self) -> None:
         self._stop.set()
