@@ -51,9 +51,10 @@ class CaptureResult:
 
 
 def resolve_model(spec: ModelSpec) -> Path:
-    """The model directory; for the cpu engine without one, vsnap writes its tiny model once."""
+    """The model directory, checked root's alone and resolved (the real path is what the image
+    records and the engine reopens); for the cpu engine without one, vsnap writes its tiny model once."""
     if spec.model is not None:
-        return Path(spec.model)
+        return require_trusted_model(Path(spec.model))
     directory = DEFAULT_MODEL_ROOT / CPU_MODEL_NAME
     if (directory / "config.json").is_file() and (directory / "model.safetensors").is_file():
         return directory
@@ -238,7 +239,7 @@ def capture_image(spec: ModelSpec, *, image_dir: Path | None = None, force: bool
         require_trusted_ancestors(control_dir)
         require_replaceable(image_dir, force)
         if spec.model is not None:
-            require_trusted_model(Path(spec.model))
+            require_trusted_model(Path(spec.model))  # before the boot; resolve_model checks again
         if spec.engine == "vllm":
             from ._vllm_check import require_supported_args
 

@@ -204,8 +204,12 @@ def untrusted_file(path: Path, checked: set[Path] | None = None) -> str | None:
     return None
 
 
-def require_trusted_model(model_dir: Path) -> None:
-    """The model directory, everything in it and what its links point to are root's alone."""
+def require_trusted_model(model_dir: Path) -> Path:
+    """The model directory as given (every component: a link among them must be root's), its real
+    directory, everything in it and what its links point to are root's alone. Returns the real
+    path, the one a capture records and the engine reopens (never one someone else can re-point)."""
+    require_trusted_ancestors(Path(model_dir) / "x")  # model_dir itself too, by lstat
+    model_dir = Path(os.path.realpath(model_dir))
     checked: set[Path] = set()
     problem = untrusted_file(model_dir, checked)
     if problem:
@@ -220,3 +224,4 @@ def require_trusted_model(model_dir: Path) -> None:
             problem = untrusted_file(path, checked)
             if problem:
                 raise ImageUntrusted(path, f"a file of the model is {problem}", hint=MODEL_HINT)
+    return model_dir

@@ -233,3 +233,26 @@ def test_a_model_or_dependency_someone_else_can_change_is_refused(tmp_path: Path
     os.lchown(model / "secret", NOBODY, NOBODY)
     with pytest.raises(ImageUntrusted, match="is a symlink owned by uid 65534 in the model directory"):
         require_trusted_model(model)
+
+
+def test_a_model_path_through_someone_elses_link_is_refused(tmp_path: Path) -> None:
+    """The fourth hostile pass: `model: /home/mal/m`, mal's link to root's model; mal re-pointed it
+    while CRIU restored, and the engine reloaded mal's weights. The link is refused, and a trusted
+    path is recorded resolved."""
+    from vsnap._trust import require_trusted_model
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    link = tmp_path / "m"
+    link.symlink_to(model)
+    assert require_trusted_model(link) == model  # root's link: accepted, and resolved
+    os.lchown(link, NOBODY, NOBODY)
+    with pytest.raises(ImageUntrusted, match="m: is a symlink owned by uid 65534"):
+        require_trusted_model(link)
+    home = tmp_path / "home-mal"
+    home.mkdir()
+    os.chown(home, NOBODY, NOBODY)
+    (home / "m").symlink_to(model)
+    with pytest.raises(ImageUntrusted, match="home-mal: a parent directory is owned by uid 65534"):
+        require_trusted_model(home / "m")
