@@ -586,8 +586,13 @@ def read_spec_text(path: Path) -> str:
     def refuse(message: str, line: int | None = None, column: int | None = None) -> SpecError:
         return SpecError([SpecIssue(file, line, column, "", message)])
 
+    from ._trust import open_following_only_roots_links
+    from .protocol.errors import ImageUntrusted
+
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+        fd = open_following_only_roots_links(path)  # a link of another user's could point at /etc/shadow
+    except ImageUntrusted as exc:
+        raise refuse(exc.reason) from None
     except FileNotFoundError:
         raise refuse("file not found") from None
     except OSError as exc:

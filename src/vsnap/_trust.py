@@ -18,6 +18,7 @@ Each refusal is one ImageUntrusted line naming the path and the reason.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from pathlib import Path, PurePosixPath
@@ -184,7 +185,19 @@ MODEL_HINT = ("root loads the model and a restore relies on it staying as it was
 def untrusted_file(path: Path, checked: set[Path] | None = None) -> str | None:
     """Why root should not rely on this host file staying unchanged (not root's, writable by
     others, or below a directory others can write to), or None. ``checked`` caches ancestors."""
-    real = Path(os.path.realpath(path))
+    given = Path(os.path.abspath(path))
+    if checked is None or given.parent not in checked:  # the path as recorded: CRIU reopens it by that name
+        try:
+            require_trusted_ancestors(given)
+        except ImageUntrusted as exc:
+            return f"below {exc.path}: {exc.reason}"
+    try:
+        link = os.lstat(given)
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror})"
+    if stat.S_ISLNK(link.st_mode) and link.st_uid != os.geteuid():
+        return f"a symlink owned by uid {link.st_uid}"
+    real = Path(os.path.realpath(given))
     try:
         st = os.stat(real)
     except OSError as exc:
@@ -201,6 +214,8 @@ def untrusted_file(path: Path, checked: set[Path] | None = None) -> str | None:
             return f"below {exc.path}: {exc.reason}"
         if checked is not None:
             checked.add(parent)
+    if checked is not None:
+        checked.add(given.parent)
     return None
 
 
@@ -225,3 +240,44 @@ def require_trusted_model(model_dir: Path) -> Path:
             if problem:
                 raise ImageUntrusted(path, f"a file of the model is {problem}", hint=MODEL_HINT)
     return model_dir
+
+
+MAX_LINKS = 40  # like the kernel's own limit on links in one path
+
+
+def open_following_only_roots_links(path: Path, flags: int = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY) -> int:
+    """Open ``path`` resolving it one component at a time through directory fds, following a
+    symlink only if root owns it (a link of another user's, such as a spec that points at
+    /etc/shadow, is refused). Nothing can be swapped in between: every step is relative to an fd
+    already opened without following links. Raises ImageUntrusted, or OSError as os.open does."""
+    parts = list(Path(os.path.abspath(path)).parts[1:])
+    fd = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    links = 0
+    try:
+        while parts:
+            part = parts.pop(0)
+            step = os.open(part, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            st = os.fstat(step)
+            if stat.S_ISLNK(st.st_mode):
+                try:
+                    if st.st_uid != os.geteuid():
+                        raise ImageUntrusted(path, f"is reached through a symlink ({part}) owned by uid {st.st_uid}; "
+                                                   "vsnap follows only root's links",
+                                             hint="give the real path of a file you may read")
+                    links += 1
+                    if links > MAX_LINKS:
+                        raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), str(path))
+                    target = os.readlink(part, dir_fd=fd)
+                finally:
+                    os.close(step)
+                if target.startswith("/"):
+                    os.close(fd)
+                    fd = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+                parts = list(Path(target).parts[1 if target.startswith("/") else 0:]) + parts
+                continue
+            os.close(fd)
+            fd = step
+        opened = os.open(f"/proc/self/fd/{fd}", flags | os.O_CLOEXEC)  # reopen the final O_PATH fd for reading
+        return opened
+    finally:
+        os.close(fd)

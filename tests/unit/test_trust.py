@@ -256,3 +256,37 @@ def test_a_model_path_through_someone_elses_link_is_refused(tmp_path: Path) -> N
     (home / "m").symlink_to(model)
     with pytest.raises(ImageUntrusted, match="home-mal: a parent directory is owned by uid 65534"):
         require_trusted_model(home / "m")
+
+
+def test_a_spec_reached_through_someone_elses_link_is_never_read(tmp_path: Path) -> None:
+    """The fifth hostile pass: `vsnap validate ~zed/spec.yaml`, zed's link to /etc/shadow, printed
+    the shadow file line by line as unknown keys."""
+    from vsnap._spec import load_spec
+    from vsnap.protocol.errors import SpecError
+
+    secret = tmp_path / "secret"
+    secret.write_text("root:*:20228:0:99999:7:::\n")
+    os.chmod(secret, 0o600)
+    link = tmp_path / "spec.yaml"
+    link.symlink_to(secret)
+    os.lchown(link, NOBODY, NOBODY)
+    with pytest.raises(SpecError) as info:
+        load_spec(link)
+    assert "owned by uid 65534; vsnap follows only root's links" in str(info.value)
+    assert "20228" not in str(info.value.to_dict())
+    good = tmp_path / "real.yaml"
+    good.write_text("name: ok\nengine: cpu\n")
+    (tmp_path / "root-link.yaml").symlink_to(good)
+    assert load_spec(tmp_path / "root-link.yaml").name == "ok"  # root's own links still work
+
+
+def test_a_dependency_recorded_through_someone_elses_link_is_refused(tmp_path: Path) -> None:
+    from vsnap._trust import untrusted_file
+
+    lib = tmp_path / "lib.so"
+    lib.write_bytes(b"\x7fELF")
+    link = tmp_path / "libfoo.so"
+    link.symlink_to(lib)
+    assert untrusted_file(link) is None
+    os.lchown(link, NOBODY, NOBODY)
+    assert untrusted_file(link) == "a symlink owned by uid 65534"
