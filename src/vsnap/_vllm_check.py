@@ -14,9 +14,11 @@ from ._spec import ModelSpec
 
 
 def _issues(source: str, refusals: list) -> SpecError:
-    return SpecError([SpecIssue(source, None, None, r.argument if r.argument.startswith("serve")
-                                else f"serve.{r.argument}", r.reason) for r in refusals],
-                     hint="vsnap captures one local GPU rank of a dense model; docs/model-yaml.md")
+    def field(argument: str) -> str:
+        return argument if argument.startswith("serve") or argument == "model" else f"serve.{argument}"
+
+    return SpecError([SpecIssue(source, None, None, field(r.argument), r.reason) for r in refusals],
+                     hint="vsnap captures one local rank of a dense model; docs/model-yaml.md lists the rules")
 
 
 def require_supported_args(spec: ModelSpec, source: str = "model.yaml") -> str:

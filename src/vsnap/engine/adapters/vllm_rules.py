@@ -149,7 +149,8 @@ def parse_serve_args(model: str, serve: dict[str, Any], *, cuda: bool = True,
         return None, [Refusal("serve", "vLLM refuses the arguments")]
     args.enable_sleep_mode = cuda
     env = os.environ if environ is None else environ
-    if not cuda and getattr(args, "kv_cache_memory_bytes", None) is None and "VLLM_CPU_KVCACHE_SPACE" not in env:
+    # an empty VLLM_CPU_KVCACHE_SPACE is ignored by vLLM, so it does not count as set
+    if not cuda and getattr(args, "kv_cache_memory_bytes", None) is None and not env.get("VLLM_CPU_KVCACHE_SPACE"):
         args.kv_cache_memory_bytes = CPU_KV_CACHE_BYTES
     return args, []
 
