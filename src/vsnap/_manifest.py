@@ -118,8 +118,13 @@ def read_manifest(image_dir: Path) -> Manifest:
     path = image_dir / MANIFEST
     if not image_dir.is_dir():
         raise ImageError(f"{image_dir} is not an image directory", hint="capture one with `vsnap capture SPEC`")
+    from ._trust import open_following_only_roots_links
+    from .protocol.errors import ImageUntrusted
+
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = open_following_only_roots_links(image_dir / MANIFEST)  # never through another user's link
+    except ImageUntrusted:
+        raise
     except FileNotFoundError:
         raise ImageFormatError(f"{image_dir} has no {MANIFEST}: not a vsnap image, or an unfinished one") from None
     except OSError as exc:

@@ -61,28 +61,64 @@ def require_trusted_ancestors(path: Path) -> None:
 
 
 def make_trusted_dirs(path: Path) -> Path:
-    """Create ``path`` and its missing ancestors one by one (0700), then check every ancestor again.
+    """Create ``path`` and its missing ancestors, walking down through directory fds.
 
     ``mkdir -p`` by path is not safe as root: where an ancestor is missing under a directory others
-    can write to (a sticky /tmp), another user may create it first, or swap it between our check
-    and our use. Each component is made with mkdir (never adopting an existing one unchecked);
-    afterwards every ancestor and ``path`` itself must be root's and not writable by others, so
-    no one else can rename anything below them from then on.
+    can write to (a sticky /tmp), another user may create it first, or put a link there, and the
+    next mkdir would go through it. Here each component is made (0700) or found relative to the fd
+    of its parent, opened without following links, and checked before the walk goes into it: a
+    link is followed only if root owns it, and every directory must be root's and not writable by
+    others (a root-owned sticky directory such as /tmp may be passed through).
     """
     path = Path(os.path.abspath(path))
-    for component in [*reversed(path.parents), path]:
-        try:
-            os.mkdir(component, 0o700)
-        except FileExistsError:
-            pass
-        except OSError as exc:
-            raise ImageUntrusted(component, f"cannot be created: {exc.strerror}",
-                                 hint="choose a directory under one that root owns") from None
-    require_trusted_ancestors(path)
-    st = os.lstat(path)
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        raise ImageUntrusted(path, "is not a real directory", hint="remove it, or choose another directory")
-    _owner_and_mode(path, st, "the directory", DIRECTORY_HINT)
+    parts = list(path.parts[1:])
+    fd = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    walked = Path("/")
+    links = 0
+    try:
+        while parts:
+            part = parts.pop(0)
+            if part in ("", "."):
+                continue
+            try:
+                os.mkdir(part, 0o700, dir_fd=fd)
+            except FileExistsError:
+                pass
+            except OSError as exc:
+                raise ImageUntrusted(walked / part, f"cannot be created: {exc.strerror}",
+                                     hint="choose a directory under one that root owns") from None
+            step = os.open(part, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            st = os.fstat(step)
+            if stat.S_ISLNK(st.st_mode):
+                try:
+                    if st.st_uid != os.geteuid():
+                        raise ImageUntrusted(walked / part, f"is a symlink owned by uid {st.st_uid}; vsnap follows "
+                                                            "only root's links", hint=DIRECTORY_HINT)
+                    links += 1
+                    if links > MAX_LINKS:
+                        raise ImageUntrusted(path, "has too many levels of symbolic links")
+                    target = os.readlink(part, dir_fd=fd)
+                finally:
+                    os.close(step)
+                if target.startswith("/"):
+                    os.close(fd)
+                    fd = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+                    walked = Path("/")
+                parts = list(Path(target).parts[1 if target.startswith("/") else 0:]) + parts
+                continue
+            if not stat.S_ISDIR(st.st_mode):
+                os.close(step)
+                raise ImageUntrusted(walked / part, "is not a directory", hint="remove it, or choose another directory")
+            try:
+                _owner_and_mode(walked / part, st, "a directory on the way" if parts else "the directory",
+                                DIRECTORY_HINT)
+            except ImageUntrusted:
+                os.close(step)
+                raise
+            os.close(fd)
+            fd, walked = step, walked / part
+    finally:
+        os.close(fd)
     return path
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from .protocol.errors import ImageHostMismatch, VsnapError
 from ._host import Check, host_mismatches, preflight, run_check
 from ._image import verify_files
-from ._trust import require_trusted_ancestors, require_trusted_tree
+from ._trust import require_trusted_ancestors, require_trusted_model, require_trusted_tree
 from ._verified import VERIFIED_DIR
 from ._manifest import MANIFEST, read_manifest
 from ._spec import load_spec
@@ -61,6 +61,9 @@ def _validate_spec(path: Path) -> ValidationReport:
         report.checks.append(run_check("vllm arguments", lambda: require_supported_args(spec, str(path))))
     report.checks.append(run_check("image directory", lambda: (
         require_trusted_ancestors(spec.image_dir), f"{spec.image_dir.parent} is root's alone (or will be made so)")[1]))
+    if spec.model is not None:
+        report.checks.append(run_check("model", lambda: (
+            require_trusted_model(Path(spec.model)), f"{spec.model} is root's alone")[1]))  # type: ignore[arg-type]
     report.checks.append(run_check("control directory", lambda: (
         require_trusted_ancestors(spec.control_dir), f"{spec.control_dir.parent} is root's alone (or will be made so)")[1]))
     return report

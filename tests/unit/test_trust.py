@@ -164,7 +164,7 @@ def test_missing_ancestors_are_made_by_root_or_refused(tmp_path: Path) -> None:
     planted = shared / "hxyz"
     planted.mkdir()
     os.chown(planted, NOBODY, NOBODY)  # mallory got there first
-    with pytest.raises(ImageUntrusted, match=r"hxyz: a parent directory is owned by uid 65534"):
+    with pytest.raises(ImageUntrusted, match=r"hxyz: a directory on the way is owned by uid 65534"):
         make_trusted_dirs(planted / "ctl")
     link = shared / "linked"
     link.symlink_to(tmp_path)
@@ -290,3 +290,23 @@ def test_a_dependency_recorded_through_someone_elses_link_is_refused(tmp_path: P
     assert untrusted_file(link) is None
     os.lchown(link, NOBODY, NOBODY)
     assert untrusted_file(link) == "a symlink owned by uid 65534"
+
+
+def test_no_directory_is_made_through_someone_elses_link(tmp_path: Path) -> None:
+    """The sixth hostile pass: `--out /tmp/yx/new/sub` with /tmp/yx yan's link to /root made
+    /root/new/sub before the check refused the link."""
+    from vsnap._trust import make_trusted_dirs
+
+    shared = tmp_path / "shared-tmp"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    victim = tmp_path / "root-only"
+    victim.mkdir(mode=0o700)
+    link = shared / "yx"
+    link.symlink_to(victim)
+    os.lchown(link, NOBODY, NOBODY)
+    with pytest.raises(ImageUntrusted, match="yx: is a symlink owned by uid 65534"):
+        make_trusted_dirs(link / "new" / "sub")
+    assert list(victim.iterdir()) == []  # nothing was made through the link
+    os.lchown(link, 0, 0)  # root's own link is followed
+    assert make_trusted_dirs(link / "new").is_dir() and (victim / "new").is_dir()
