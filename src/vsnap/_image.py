@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Iterator
 
 from . import _verified as verified
-from ._trust import require_inside, require_plain_names, require_trusted_ancestors, require_trusted_tree
+from ._trust import (make_trusted_dirs, require_inside, require_plain_names, require_trusted_ancestors,
+                     require_trusted_tree)
 from .protocol.errors import ImageBusy, ImageError, ImageTampered, ImageUntrusted
 from ._manifest import MANIFEST, PIECES_SCHEME, SHM_DIR, FileEntry, Manifest
 
@@ -78,9 +79,7 @@ def piece_hashes(root: Path, files: dict[str, int]) -> dict[str, str]:
 def check_parent(image_dir: Path) -> None:
     """The image's parent and its ancestors must be root's and not writable by others: they could
     swap the image. Missing directories are made, private."""
-    require_trusted_ancestors(image_dir)
-    parent = image_dir.parent
-    parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    make_trusted_dirs(image_dir.parent)  # walked through directory fds: never made through someone's link
     require_trusted_ancestors(image_dir)
 
 

@@ -87,7 +87,11 @@ def make_trusted_dirs(path: Path) -> Path:
             except OSError as exc:
                 raise ImageUntrusted(walked / part, f"cannot be created: {exc.strerror}",
                                      hint="choose a directory under one that root owns") from None
-            step = os.open(part, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            try:
+                step = os.open(part, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            except OSError as exc:  # removed or replaced between our mkdir and this open: someone is racing us
+                raise ImageUntrusted(walked / part, f"changed while vsnap made it ({exc.strerror})",
+                                     hint=DIRECTORY_HINT) from None
             st = os.fstat(step)
             if stat.S_ISLNK(st.st_mode):
                 try:

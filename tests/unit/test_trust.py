@@ -310,3 +310,19 @@ def test_no_directory_is_made_through_someone_elses_link(tmp_path: Path) -> None
     assert list(victim.iterdir()) == []  # nothing was made through the link
     os.lchown(link, 0, 0)  # root's own link is followed
     assert make_trusted_dirs(link / "new").is_dir() and (victim / "new").is_dir()
+
+
+def test_an_image_parent_is_never_made_through_someone_elses_link(tmp_path: Path) -> None:
+    """The seventh hostile pass: check_parent's mkdir -p raced a user's link into /root."""
+    from vsnap._image import check_parent
+
+    shared = tmp_path / "shared-tmp"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    victim = tmp_path / "root-only"
+    victim.mkdir(mode=0o700)
+    (shared / "rx").symlink_to(victim)
+    os.lchown(shared / "rx", NOBODY, NOBODY)
+    with pytest.raises(ImageUntrusted, match="rx: is a symlink owned by uid 65534"):
+        check_parent(shared / "rx" / "zz" / "img")
+    assert list(victim.iterdir()) == []
