@@ -103,6 +103,10 @@ def require_replaceable(image_dir: Path, force: bool) -> None:
     if not is_vsnap_image(image_dir):
         raise ImageError(f"{image_dir} is not a vsnap image (no vsnap manifest.json); --force replaces only images",
                          hint="remove it yourself if it is yours to delete, or capture into another --image")
+    if st.st_uid != os.geteuid() or st.st_mode & 0o022:  # vsnap's images are root's, 0700
+        raise ImageUntrusted(image_dir, f"is owned by uid {st.st_uid} (mode {stat.S_IMODE(st.st_mode):04o}); "
+                                        "--force replaces only root's own images",
+                             hint="remove it yourself if it is yours to delete, or capture into another --image")
 
 
 def is_vsnap_image(directory: Path) -> bool:

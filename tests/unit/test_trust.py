@@ -326,3 +326,16 @@ def test_an_image_parent_is_never_made_through_someone_elses_link(tmp_path: Path
     with pytest.raises(ImageUntrusted, match="rx: is a symlink owned by uid 65534"):
         check_parent(shared / "rx" / "zz" / "img")
     assert list(victim.iterdir()) == []
+
+
+def test_force_never_replaces_an_image_someone_else_owns(tmp_path: Path) -> None:
+    """The eighth hostile pass: a user's directory with a fake manifest.json was replaced (and its
+    tree deleted by root) by `capture --force`."""
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    (fake / "manifest.json").write_text('{"format_version": 1, "files": {}}')
+    (fake / "keep").mkdir()
+    os.chown(fake, NOBODY, NOBODY)
+    with pytest.raises(ImageUntrusted, match="--force replaces only root's own images"):
+        require_replaceable(fake, force=True)
+    assert (fake / "keep").is_dir()
