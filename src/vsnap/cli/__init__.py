@@ -133,6 +133,9 @@ def error_boundary(fn: F) -> F:
         # vsnap at once and leave its tree, staging directory and records to the next run's pruning
         for signum in (signal.SIGTERM, signal.SIGHUP):
             signal.signal(signum, _raise_interrupt)
+        # Ctrl-C tears down too, even when vsnap was started with SIGINT ignored (a background job
+        # of a non-interactive shell inherits SIG_IGN, and Python then installs no handler)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
             return fn(*args, **kwargs)
         except VsnapError as error:
