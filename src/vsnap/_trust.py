@@ -22,7 +22,7 @@ import errno
 import os
 import stat
 from pathlib import Path, PurePosixPath
-from typing import Iterable
+from typing import Callable, Iterable
 
 from .protocol.errors import ImageUntrusted
 
@@ -60,6 +60,31 @@ def require_trusted_ancestors(path: Path) -> None:
         _owner_and_mode(ancestor, st, "a parent directory", DIRECTORY_HINT)
 
 
+MAX_LINKS = 40  # like the kernel's own limit on links in one path
+
+
+def _follow_roots_link(fd: int, step: int, part: str, st: os.stat_result, parts: list[str], links: int, *,
+                       refuse: Callable[[int], Exception], too_many: Callable[[], Exception]
+                       ) -> tuple[int, list[str], int, bool]:
+    """One link met while walking a path through directory fds (``step``: its O_PATH fd, closed
+    here): refuse it unless root owns it, else splice its target into the parts still to walk; an
+    absolute target restarts the walk at /. Returns (directory fd, parts, links seen, restarted)."""
+    try:
+        if st.st_uid != os.geteuid():
+            raise refuse(st.st_uid)
+        links += 1
+        if links > MAX_LINKS:
+            raise too_many()
+        target = os.readlink(part, dir_fd=fd)
+    finally:
+        os.close(step)
+    restarted = target.startswith("/")
+    if restarted:
+        os.close(fd)
+        fd = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    return fd, list(Path(target).parts[1 if restarted else 0:]) + parts, links, restarted
+
+
 def make_trusted_dirs(path: Path) -> Path:
     """Create ``path`` and its missing ancestors, walking down through directory fds.
 
@@ -94,21 +119,13 @@ def make_trusted_dirs(path: Path) -> Path:
                                      hint=DIRECTORY_HINT) from None
             st = os.fstat(step)
             if stat.S_ISLNK(st.st_mode):
-                try:
-                    if st.st_uid != os.geteuid():
-                        raise ImageUntrusted(walked / part, f"is a symlink owned by uid {st.st_uid}; vsnap follows "
-                                                            "only root's links", hint=DIRECTORY_HINT)
-                    links += 1
-                    if links > MAX_LINKS:
-                        raise ImageUntrusted(path, "has too many levels of symbolic links")
-                    target = os.readlink(part, dir_fd=fd)
-                finally:
-                    os.close(step)
-                if target.startswith("/"):
-                    os.close(fd)
-                    fd = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+                fd, parts, links, restarted = _follow_roots_link(
+                    fd, step, part, st, parts, links,
+                    refuse=lambda uid: ImageUntrusted(walked / part, f"is a symlink owned by uid {uid}; vsnap follows "
+                                                                     "only root's links", hint=DIRECTORY_HINT),
+                    too_many=lambda: ImageUntrusted(path, "has too many levels of symbolic links"))
+                if restarted:
                     walked = Path("/")
-                parts = list(Path(target).parts[1 if target.startswith("/") else 0:]) + parts
                 continue
             if not stat.S_ISDIR(st.st_mode):
                 os.close(step)
@@ -282,8 +299,6 @@ def require_trusted_model(model_dir: Path) -> Path:
     return model_dir
 
 
-MAX_LINKS = 40  # like the kernel's own limit on links in one path
-
 
 def open_following_only_roots_links(path: Path, flags: int = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY) -> int:
     """Open ``path`` resolving it one component at a time through directory fds, following a
@@ -299,21 +314,12 @@ def open_following_only_roots_links(path: Path, flags: int = os.O_RDONLY | os.O_
             step = os.open(part, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
             st = os.fstat(step)
             if stat.S_ISLNK(st.st_mode):
-                try:
-                    if st.st_uid != os.geteuid():
-                        raise ImageUntrusted(path, f"is reached through a symlink ({part}) owned by uid {st.st_uid}; "
-                                                   "vsnap follows only root's links",
-                                             hint="give the real path of a file you may read")
-                    links += 1
-                    if links > MAX_LINKS:
-                        raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), str(path))
-                    target = os.readlink(part, dir_fd=fd)
-                finally:
-                    os.close(step)
-                if target.startswith("/"):
-                    os.close(fd)
-                    fd = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-                parts = list(Path(target).parts[1 if target.startswith("/") else 0:]) + parts
+                fd, parts, links, _ = _follow_roots_link(
+                    fd, step, part, st, parts, links,
+                    refuse=lambda uid: ImageUntrusted(path, f"is reached through a symlink ({part}) owned by uid {uid}; "
+                                                            "vsnap follows only root's links",
+                                                      hint="give the real path of a file you may read"),
+                    too_many=lambda: OSError(errno.ELOOP, os.strerror(errno.ELOOP), str(path)))
                 continue
             os.close(fd)
             fd = step
