@@ -371,8 +371,8 @@ def stop_instance(instance_id: str) -> None:
 
 def _phases(doc: dict[str, Any]) -> dict[str, float]:
     """A `vsnap restore/activate --json` document's phases and the engine's own breakdown."""
-    return {**doc.get("timings", {}), **{f"engine {k}": v for k, v in (doc.get("recovery") or {}).items()
-                                         if k.endswith("_s")}}
+    return {**doc.get("timings", {}), **{k if k.startswith("verify_") else f"engine {k}": v
+                                         for k, v in (doc.get("recovery") or {}).items() if k.endswith("_s")}}
 
 
 def _measure(spec: ModelSpec, own: ModelSpec, dirs: BenchDirs, model_dir: Path, runs: int, cold_runs: int | None,

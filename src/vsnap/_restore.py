@@ -18,10 +18,10 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable, TypeVar
 
 from .protocol import control
 from .protocol.control import Activation, ErrorReport, Standby, Status
-from ._capture import TREE_DIRS
 from ._criu import CriuRunner, LazyPagesServer
 from ._criu_options import LazyPagesOptions, RestoreOptions
 from .protocol.errors import (CheckpointError, EngineError, HostNotReady, ImageChanged, InstanceNotStandby,
@@ -30,7 +30,7 @@ from ._events import ProgressCallback, Timings
 from ._host import check_criu, check_root, require_host_matches
 from ._cleanup import Cleanup
 from ._image import image_read_lock, verify_files
-from ._manifest import CRIU_DIR, ENGINE_LOG, SHM_DIR, WEIGHTS_DIR, Manifest, read_manifest
+from ._manifest import CRIU_DIR, ENGINE_LOG, SHM_DIR, TREE_DIRS, WEIGHTS_DIR, Manifest, read_manifest
 from ._verified import VERIFIED_DIR
 from ._netns import NetnsHolder
 from ._instances import (InstanceRecord, ProcessRef, new_instance_dir, prune_dead_runs, register, request_stop,
@@ -45,6 +45,7 @@ RESTORE_LOG = "restore.log"
 LAZY_PAGES_LOG = "lazy-pages.log"
 RESTORE_PID = "restore.pid"
 RECOVER_TIMEOUT_S = 600.0
+T = TypeVar("T")
 
 
 @dataclass
@@ -197,6 +198,27 @@ def _check_stop(work: Path) -> None:
                               hint="nothing was left running; restore again when you want it")
 
 
+class CheckClock:
+    """How long each check of the verify phase took (they run side by side): ``verify_<name>_s``."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._start = time.monotonic()
+
+    def call(self, name: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        start = time.monotonic()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.seconds[f"verify_{name}_s"] = time.monotonic() - start
+
+    def mark(self, name: str) -> None:
+        """The serial part so far, since the clock started or the last mark."""
+        now = time.monotonic()
+        self.seconds[f"verify_{name}_s"] = now - self._start
+        self._start = now
+
+
 @dataclass
 class _Tree:
     """A tree CRIU restored, on its way to serving: what the phases after CRIU need."""
@@ -244,6 +266,7 @@ def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000,
                                                 "restore it without --lazy-pages")
     lazy: LazyPagesServer | None = None
     with Cleanup() as cleanup, ExitStack() as reading:
+        clock = CheckClock()
         with timings.phase("verify image"):
             check_root()
             require_trusted_tree(image_dir)  # before a byte of the image is read (verify_files walks it again)
@@ -255,16 +278,20 @@ def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000,
             control_dir = Path(manifest.control_dir)
             require_safe_directory(manifest.control_dir, "the manifest's control_dir")
             require_trusted_ancestors(control_dir)
+            clock.mark("trust_and_manifest")
             # Independent checks side by side (the GPU ones start the CUDA driver, which the CUDA
             # restore needs anyway); the first failure in this order is the one reported.
             with ThreadPoolExecutor(max_workers=5) as pool:
-                hashing = pool.submit(verify_files, image_dir, manifest, cache_root=VERIFIED_DIR, rehash=rehash)
-                checks = [pool.submit(check_criu), hashing, pool.submit(require_host_matches, manifest)]
+                hashing = pool.submit(clock.call, "files", verify_files, image_dir, manifest, cache_root=VERIFIED_DIR,
+                                      rehash=rehash)
+                checks = [pool.submit(clock.call, "criu", check_criu), hashing,
+                          pool.submit(clock.call, "host", require_host_matches, manifest)]
                 if not standby:  # a standby binds no port and takes no GPU until it is activated
-                    checks.append(pool.submit(check_port_free, host, port))
+                    checks.append(pool.submit(clock.call, "port", check_port_free, host, port))
                 if lazy_pages:
                     checks.append(pool.submit(check_lazy_pages, CriuRunner.locate()))
-                choosing = pool.submit(choose_gpu, manifest, gpu) if manifest.cuda_processes and not standby else None
+                choosing = (pool.submit(clock.call, "gpu", choose_gpu, manifest, gpu)
+                            if manifest.cuda_processes and not standby else None)
                 for check in checks:
                     check.result()
                 target = choosing.result() if choosing is not None else None
@@ -331,6 +358,7 @@ def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000,
     server.lazy_pages = lazy
     server.timings = dict(timings.seconds)
     server.hashed_files = len(hashing.result())
+    server.recovery.update(clock.seconds)
     return server
 
 
@@ -406,6 +434,7 @@ def activate_instance(instance_id: str, *, host: str = "127.0.0.1", port: int = 
     failure the standby is ended (its GPU state may be half restored); nothing is left running.
     """
     timings = Timings(on_event)
+    clock = CheckClock()
     with Cleanup() as cleanup, ExitStack() as reading:
         with timings.phase("verify image"):
             check_root()
@@ -420,10 +449,11 @@ def activate_instance(instance_id: str, *, host: str = "127.0.0.1", port: int = 
             manifest = read_manifest(image_dir)
             if manifest_digest(manifest) != record.image_digest:
                 raise ImageChanged(image_dir, instance_id)
+            clock.mark("trust_and_manifest")
             with ThreadPoolExecutor(max_workers=3) as pool:
-                checks = [pool.submit(verify_files, image_dir, manifest, cache_root=VERIFIED_DIR),
-                          pool.submit(check_port_free, host, port)]
-                choosing = pool.submit(choose_gpu, manifest, gpu) if manifest.cuda_processes else None
+                checks = [pool.submit(clock.call, "files", verify_files, image_dir, manifest, cache_root=VERIFIED_DIR),
+                          pool.submit(clock.call, "port", check_port_free, host, port)]
+                choosing = pool.submit(clock.call, "gpu", choose_gpu, manifest, gpu) if manifest.cuda_processes else None
                 for check in checks:
                     check.result()
                 target = choosing.result() if choosing is not None else None
@@ -442,6 +472,7 @@ def activate_instance(instance_id: str, *, host: str = "127.0.0.1", port: int = 
         server = _bring_up(_Tree(image_dir, manifest, work, identity, activating), host, port, target, timings,
                            reading)
     server.timings = dict(timings.seconds)
+    server.recovery.update(clock.seconds)
     return server
 
 
@@ -508,9 +539,11 @@ def choose_gpu(manifest: Manifest, requested: str | None) -> dict:
     of the captured model with enough free memory. Refuses another model or too little memory."""
     from ._cuda import gpu_facts, gpu_free_memory
 
-    _, _, gpus = gpu_facts()
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        freeing = pool.submit(gpu_free_memory)  # while the CUDA driver starts
+        _, _, gpus = gpu_facts()
+        free = freeing.result()
     captured = manifest.host.gpus[0] if manifest.host.gpus else {}
-    free = gpu_free_memory()
     need = manifest.gpu_memory_required or 0
 
     def fits(g: dict) -> str | None:

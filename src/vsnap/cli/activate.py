@@ -6,7 +6,6 @@ from typing import Optional
 
 import typer
 
-from .. import _restore
 from . import _render
 from . import app, error_boundary
 
@@ -23,6 +22,7 @@ def activate(
                                                           "first of its model with enough free memory)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON document on stdout"),
 ) -> None:
+    from .. import _restore  # here, not at import: every vsnap command loads every command module
     progress = _render.PhaseProgress()
     try:
         server = _restore.activate_instance(instance, host=host, port=port, gpu=gpu, on_event=progress)

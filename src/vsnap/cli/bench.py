@@ -6,8 +6,6 @@ from pathlib import Path
 
 import typer
 
-from .. import _bench
-from .._spec import load_spec
 from . import _render
 from . import app, error_boundary
 
@@ -28,6 +26,8 @@ def bench(
                                                                       "then `vsnap activate` to the first completion"),
     as_json: bool = typer.Option(False, "--json", help="print the record as JSON"),
 ) -> None:
+    from .. import _bench  # here, not at import: every vsnap command loads every command module
+    from .._spec import load_spec
     progress = _render.PhaseProgress()
     try:
         record = _bench.run_bench(load_spec(spec), runs=runs, cold_runs=cold_runs or None, lazy_pages=lazy_pages,

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 
-from .. import _restore
-from ..protocol.errors import EngineError
+if TYPE_CHECKING:
+    from .. import _restore
+
 from . import _render
 from . import app, error_boundary
 
@@ -33,6 +34,8 @@ def restore(
                                                           "memory only, until `vsnap activate INSTANCE`"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON document on stdout"),
 ) -> None:
+    from .. import _restore  # here, not at import: every vsnap command loads every command module
+    from ..protocol.errors import EngineError
     progress = _render.PhaseProgress()
     try:
         server = _restore.restore_image(image, host=host, port=port, gpu=gpu, rehash=rehash, lazy_pages=lazy_pages,
