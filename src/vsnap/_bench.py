@@ -347,8 +347,10 @@ def run_bench(spec: ModelSpec, *, runs: int = 3, cold_runs: int | None = None, l
 def run_cli(args: list[str], started: list[str]) -> dict[str, Any]:
     """``vsnap ARGS --json`` in a new interpreter (what a user's command costs, its start included);
     its JSON document. The instance it names is added to ``started`` (the bench stops them all)."""
+    start = time.monotonic()
     out = subprocess.run([sys.executable, "-m", "vsnap", *args, "--json"], capture_output=True, text=True,
                          timeout=CLI_TIMEOUT_S, cwd="/")  # from /: nothing is imported from the caller's directory
+    wall = time.monotonic() - start
     try:
         doc = dict(json.loads(out.stdout))
     except ValueError:
@@ -359,6 +361,8 @@ def run_cli(args: list[str], started: list[str]) -> dict[str, Any]:
         raise EngineError("bench", str(doc.get("error", "CommandFailed")),
                           f"vsnap {args[0]} exited {out.returncode}: {doc.get('message') or out.stderr.strip()[-300:]}",
                           log_path=doc.get("log_path"))
+    # what the command cost beyond its phases: the interpreter's start, imports, printing, exit
+    doc["cli_overhead_s"] = wall - float(doc.get("total_s") or 0.0)
     return doc
 
 
@@ -372,7 +376,8 @@ def stop_instance(instance_id: str) -> None:
 def _phases(doc: dict[str, Any]) -> dict[str, float]:
     """A `vsnap restore/activate --json` document's phases and the engine's own breakdown."""
     return {**doc.get("timings", {}), **{k if k.startswith("verify_") else f"engine {k}": v
-                                         for k, v in (doc.get("recovery") or {}).items() if k.endswith("_s")}}
+                                         for k, v in (doc.get("recovery") or {}).items() if k.endswith("_s")},
+            "cli_overhead_s": doc["cli_overhead_s"]}
 
 
 def _measure(spec: ModelSpec, own: ModelSpec, dirs: BenchDirs, model_dir: Path, runs: int, cold_runs: int | None,

@@ -35,6 +35,7 @@ EXTENSION = f"{__name__}.WeightsFileExtension"
 # discards that memory at sleep and maps fresh memory at the same addresses at wake, which is what
 # scratch memory needs (see route_graph_pool_to_sleep_allocator).
 GRAPH_POOL_TAG = "kv_cache"
+STACK_ENV = "VSNAP_CUDA_STACK"  # "lower": give the stack reservation back before a checkpoint (off: see lower_stack_limit)
 GRAPH_POOL_ENV = "VSNAP_GRAPH_POOL"  # "sleep": the worker routes the pool when it imports this module
 
 
@@ -348,7 +349,38 @@ class WeightsFileExtension:
         start = _device_used()
         release_heap()  # first: a collected tensor's block can then be returned
         torch.cuda.empty_cache()
-        return {**device_memory_report(), "freed_bytes": float(start - _device_used())}
+        stack = lower_stack_limit() if os.environ.get(STACK_ENV) == "lower" else {}
+        return {**device_memory_report(), **stack, "freed_bytes": float(start - _device_used())}
+
+
+def lower_stack_limit() -> dict[str, float]:
+    """Give back the context's per-thread stack reservation before the checkpoint.
+
+    The CUDA context reserves stack for every thread the GPU can hold resident (1 KiB by default x
+    2048 threads x 132 SMs on an H200: 277 MB of a bare context's 651 MB), and that memory is
+    copied to the host by the CUDA checkpoint, written and read by CRIU, and copied back at every
+    restore. With the limit at 0 the driver should grow the reservation again at the first launch
+    that needs stack.
+
+    Off unless ``VSNAP_CUDA_STACK=lower`` is in the environment of `vsnap capture`: on the H200
+    (8B shape, vLLM 0.26, 2026-12-01) the rehearsal's first request after it failed with "CUDA
+    error: unspecified launch failure" (the capture failed before anything was written: the
+    rehearsal did its job). Likely why (not verified): kernels replayed from CUDA graphs do not
+    grow the stack as plain launches do.
+    """
+    try:
+        from cuda.bindings import driver as cu
+    except ImportError:
+        return {}
+    limit = cu.CUlimit.CU_LIMIT_STACK_SIZE
+    err, value = cu.cuCtxGetLimit(limit)
+    if int(err) != 0:
+        return {}
+    before = _device_used()
+    (result,) = cu.cuCtxSetLimit(limit, 0)
+    if int(result) != 0:
+        return {}
+    return {"stack_limit_was": float(value), "stack_freed_bytes": float(before - _device_used())}
 
 def _device_used() -> int:
     import torch
