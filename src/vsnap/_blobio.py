@@ -100,8 +100,8 @@ def zstd_chunks(path: Path, level: int = ZSTD_LEVEL, threads: int = 0) -> Iterat
     zstd = _zstandard()
     compressor = zstd.ZstdCompressor(level=level, threads=threads)
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    with open(fd, "rb", buffering=0) as f:
-        yield from compressor.read_to_iter(f, read_size=CHUNK, write_size=CHUNK)
+    with open(fd, "rb", buffering=0) as f:  # the frame header records the size (`zstd -l` shows it)
+        yield from compressor.read_to_iter(f, size=os.fstat(fd).st_size, read_size=CHUNK, write_size=CHUNK)
 
 
 def file_chunks(path: Path) -> Iterator[bytes]:
