@@ -95,8 +95,9 @@ class HashingIterator:
         return self._known or "sha256:" + self._sha.hexdigest()
 
 
-def zstd_chunks(path: Path, level: int = ZSTD_LEVEL, threads: int = 0) -> Iterator[bytes]:
-    """``path`` compressed as one zstd frame, in chunks (the file opened without following links)."""
+def zstd_chunks(path: Path, level: int = ZSTD_LEVEL, threads: int = 1) -> Iterator[bytes]:
+    """``path`` compressed as one zstd frame, in chunks (the file opened without following links).
+    ``threads`` >= 1: zstd's multi-threaded mode, whose output does not depend on the count."""
     zstd = _zstandard()
     compressor = zstd.ZstdCompressor(level=level, threads=threads)
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -178,21 +179,28 @@ def write_blob(chunks: Iterable[bytes], layer: Layer, entry: FileEntry, fd: int,
             pass
     except (ArtifactError, Cancelled):
         raise
-    except Exception as exc:  # zstandard.ZstdError and the like: the stream is not what it claims
-        if type(exc).__module__.startswith("zstandard"):
-            raise mismatch(f"is not a valid zstd stream ({exc})") from None
-        raise
+    except Exception as exc:  # zstandard.ZstdError: say first whether the bytes are the pushed ones
+        if not type(exc).__module__.startswith("zstandard"):
+            raise
+        while source.read(CHUNK):
+            pass
+        _require_blob(source, layer, mismatch)
+        raise mismatch(f"is not a valid zstd stream ({exc})") from None
     os.ftruncate(fd, digest.size)
-    blob_digest = "sha256:" + source.sha.hexdigest()
-    if source.size != layer.size:
-        raise mismatch(f"has {source.size} bytes; the artifact promised {layer.size}")
-    if blob_digest != layer.digest:
-        raise mismatch(f"does not match its digest (expected {layer.digest[:19]}…, received {blob_digest[:19]}…)")
+    _require_blob(source, layer, mismatch)
     if digest.size != entry.size:
         raise mismatch(f"holds {digest.size} bytes; manifest.json records {entry.size}")
     if digest.hexdigest() != entry.digest:
         raise mismatch(f"does not match manifest.json (expected {entry.digest[:16]}…, found "
                        f"{digest.hexdigest()[:16]}…)")
+
+
+def _require_blob(source: _CountingSource, layer: Layer, mismatch: Callable[[str], ArtifactError]) -> None:
+    blob_digest = "sha256:" + source.sha.hexdigest()
+    if source.size != layer.size:
+        raise mismatch(f"has {source.size} bytes; the artifact promised {layer.size}")
+    if blob_digest != layer.digest:
+        raise mismatch(f"does not match its digest (expected {layer.digest[:19]}…, received {blob_digest[:19]}…)")
 
 
 class Cancelled(Exception):

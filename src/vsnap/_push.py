@@ -100,7 +100,9 @@ def push_image(image_dir: Path, reference: str | Reference, *, insecure: bool = 
         with timings.phase("plan blobs"):
             known = _plan(image_dir, manifest, stats, pushed, jobs)
         counters = _Counters()
-        threads = max(0, (os.cpu_count() or 1) // max(1, jobs))
+        # zstd's multi-threaded mode makes the same bytes whatever its thread count (its single-threaded
+        # mode other ones): one image pushes as one digest, whatever --jobs and the host's cores
+        threads = max(1, (os.cpu_count() or 1) // max(1, jobs))
         cancel = threading.Event()
         with timings.phase("upload blobs"):
             def send(rel: str) -> Layer:

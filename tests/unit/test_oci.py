@@ -269,6 +269,12 @@ def test_compressed_push_stream_is_what_the_pull_reads(tmp_path: Path) -> None:
     assert written(tmp_path, [blob], layer, entry) == data
 
 
+def test_compression_does_not_depend_on_the_thread_count(tmp_path: Path) -> None:
+    (tmp_path / "f").write_bytes(os.urandom(1 << 20) + bytes(8 << 20) + b"x" * (3 << 20))
+    blobs = {threads: b"".join(zstd_chunks(tmp_path / "f", threads=threads)) for threads in (1, 2, 5)}
+    assert blobs[1] == blobs[2] == blobs[5]  # one image, one digest, on any host
+
+
 def test_an_altered_blob_names_its_file(tmp_path: Path) -> None:
     data = os.urandom(50_000)
     blob, layer, entry = blob_for(data, zstd=False)
