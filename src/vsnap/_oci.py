@@ -51,7 +51,9 @@ _TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?"
 _HOST = re.compile(rf"(?:{_LABEL}(?:\.{_LABEL})*|\[[0-9A-Fa-f:]+\])(?::[0-9]{{1,5}})?")
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
-REFERENCE_HINT = "write REGISTRY/REPOSITORY[:TAG] or REGISTRY/REPOSITORY@sha256:DIGEST, e.g. 127.0.0.1:5000/vsnap/cpu-tiny:v1"
+ALTERED_HINT = "the artifact in the registry was altered (or not made by vsnap push); nothing was written outside"
+REFERENCE_HINT = ("write REGISTRY/REPOSITORY[:TAG] or REGISTRY/REPOSITORY@sha256:DIGEST, "
+                  "e.g. 127.0.0.1:5000/vsnap/cpu-tiny:v1")
 
 
 @dataclass(frozen=True)
@@ -250,9 +252,12 @@ def parse_artifact(data: bytes, reference: Reference) -> Artifact:
 def require_image_path(path: str, what: str) -> str:
     """A path vsnap will create inside a pull's staging directory: plain, relative, inside, and
     neither manifest.json (that is the config blob) nor the pull's own INCOMING directory."""
-    require_inside(path, what)
+    try:
+        require_inside(path, what)
+    except ImageUntrusted as exc:
+        raise ImageUntrusted(exc.path, exc.reason, hint=ALTERED_HINT) from None
     if path == MANIFEST or path.split("/", 1)[0] == INCOMING:
-        raise ImageUntrusted(path, f"{what} names a file vsnap writes itself", hint="the artifact was altered")
+        raise ImageUntrusted(path, f"{what} names a file vsnap writes itself", hint=ALTERED_HINT)
     return path
 
 
@@ -272,7 +277,7 @@ def match_manifest(artifact: Artifact, manifest: Manifest) -> None:
     titles = {layer.path: layer for layer in artifact.layers}
     files = set(manifest.files)
     if MANIFEST in files:
-        raise ImageUntrusted(MANIFEST, "manifest 'files' lists manifest.json itself", hint="the artifact was altered")
+        raise ImageUntrusted(MANIFEST, "manifest 'files' lists manifest.json itself", hint=ALTERED_HINT)
     missing, extra = sorted(files - set(titles)), sorted(set(titles) - files)
     if missing:
         raise ArtifactError(ref, f"{ref}: no layer holds {missing[0]}, a file its manifest.json lists", file=missing[0])

@@ -31,8 +31,8 @@ from ._events import ProgressCallback, Timings, failpoint
 from ._image import (check_parent, image_lock, image_read_lock, piece_hashes, publish, require_replaceable,
                      require_trust, verify_files)
 from ._manifest import MANIFEST, FileEntry, Manifest, read_manifest
-from ._oci import (INCOMING, MAX_OCI_MANIFEST_BYTES, OCI_MANIFEST, Artifact, Layer, Reference, match_manifest,
-                   parse_artifact, parse_reference, sha256_digest)
+from ._oci import (ALTERED_HINT, INCOMING, MAX_OCI_MANIFEST_BYTES, OCI_MANIFEST, Artifact, Layer, Reference,
+                   match_manifest, parse_artifact, parse_reference, sha256_digest)
 from ._registry import RegistryClient
 from ._spec import DEFAULT_IMAGE_ROOT, require_safe_directory
 from .protocol.control import write_atomic
@@ -266,4 +266,4 @@ class _Downloads:
                 except FileExistsError:
                     if not stat.S_ISDIR(os.lstat(directory).st_mode):
                         raise ImageUntrusted(rel, "the artifact names a file and a directory of the same name",
-                                             hint="the artifact was altered") from None
+                                             hint=ALTERED_HINT) from None

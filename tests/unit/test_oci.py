@@ -16,7 +16,7 @@ import zstandard
 from vsnap._blobio import Cancelled, FileDigest, HashingIterator, checking, parallel, write_blob, zstd_chunks
 from vsnap._image import PIECE, piece_hashes
 from vsnap._manifest import FileEntry, Manifest
-from vsnap._oci import (ARTIFACT_TYPE, CONFIG_MEDIA_TYPE, FILE_MEDIA_TYPE, FILE_ZSTD_MEDIA_TYPE, MAX_OCI_MANIFEST_BYTES,
+from vsnap._oci import (ARTIFACT_TYPE, CONFIG_MEDIA_TYPE, MAX_OCI_MANIFEST_BYTES,
                         OCI_MANIFEST, TITLE, Layer, Reference, build_manifest, encoding_for, match_manifest,
                         parse_artifact, parse_reference, sha256_digest)
 from vsnap._pull import make_or_adopt_staging, staging_dir
