@@ -72,6 +72,40 @@ def timed(*args: str) -> tuple[dict, float]:
     return json.loads(result.stdout), seconds
 
 
+def floors(work: Path, registry_address: str, size: int = 1 << 30) -> dict:
+    """What bounds the transfers on this host, measured with the same 1 GiB of random bytes: the
+    page-cache write rate (os.write of 4 MiB chunks, as a pull writes), sha256 on one core, and
+    the registry's own ingest and serve rates (one raw blob up, then down to nowhere)."""
+    from vsnap._blobio import HashingIterator, file_chunks
+    from vsnap._oci import parse_reference
+    from vsnap._registry import RegistryClient
+
+    data = os.urandom(size)
+    path = work / "floor.bin"
+    start = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    for offset in range(0, size, 4 << 20):
+        os.write(fd, data[offset:offset + (4 << 20)])
+    os.close(fd)
+    write_s = time.perf_counter() - start
+    import hashlib
+
+    start = time.perf_counter()
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    sha_s = time.perf_counter() - start
+    client = RegistryClient(parse_reference(f"{registry_address}/vsnap/floor:v1"))
+    start = time.perf_counter()
+    client.upload_stream(HashingIterator(file_chunks(path), digest=digest), lambda: digest)
+    up_s = time.perf_counter() - start
+    start = time.perf_counter()
+    received = sum(len(chunk) for chunk in client.blob_chunks(digest))
+    down_s = time.perf_counter() - start
+    assert received == size
+    path.unlink()
+    return {"bytes": size, "page_cache_write_MBps": size / write_s / 1e6, "sha256_MBps": size / sha_s / 1e6,
+            "registry_ingest_MBps": size / up_s / 1e6, "registry_serve_MBps": size / down_s / 1e6}
+
+
 def zstd_pages(image: Path) -> list[dict]:
     import zstandard
 
@@ -120,21 +154,25 @@ def main() -> None:
     try:
         image = padded_copy(args.image.absolute(), args.work, int(args.pad_gb * (1 << 30)))
         image_bytes = sum(p.stat().st_size for p in image.rglob("*") if p.is_file())
+        load_before = os.getloadavg()
         with LocalRegistry(args.work / "registry") as registry:
+            bounds = floors(args.work, registry.address)
             ref = f"{registry.address}/vsnap/padded:v1"
             push, push_s = timed("push", str(image), ref)
             again, again_s = timed("push", str(image), ref)
             pull, pull_s = timed("pull", ref, "--to", str(args.work / "pulled" / "padded"))
             pinned = ref.rsplit(":", 1)[0] + "@" + push["digest"]
             pull2, pull2_s = timed("pull", pinned, "--to", str(args.work / "pulled" / "again"))
-            stored = sum(p.stat().st_size for p in registry.storage.rglob("*") if p.is_file())
+            stored = sum(p.stat().st_size for p in registry.storage.rglob("*") if p.is_file()) - bounds["bytes"]
         record = {
             "kind": "registry-loopback", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                      cwd=ROOT).stdout.strip(),
             "command": "python scripts/bench_registry.py " + " ".join(sys.argv[1:]),
             "host": {"cpus": os.cpu_count(), "cpu": _cpu_model(), "kernel": platform.release(),
-                     "python": platform.python_version(), "registry": _registry_version()},
+                     "python": platform.python_version(), "registry": _registry_version(),
+                     "load_average_before": load_before, "load_average_after": os.getloadavg()},
+            "floors": bounds,
             "image_bytes": image_bytes, "weights_bytes": int(args.pad_gb * (1 << 30)), "registry_bytes": stored,
             "push": {"wall_s": push_s, **push}, "push_again": {"wall_s": again_s, **again},
             "pull": {"wall_s": pull_s, **pull}, "pull_by_digest": {"wall_s": pull2_s, **pull2},
@@ -161,6 +199,10 @@ def _registry_version() -> str:
     return result.stdout.strip()
 
 
+def _load(values: list[float]) -> str:
+    return ", ".join(f"{v:.2f}" for v in values)
+
+
 def markdown(r: dict) -> str:
     gb = r["image_bytes"] / 1e9
 
@@ -182,6 +224,12 @@ def markdown(r: dict) -> str:
              f"{r['host']['python']}, {r['host']['registry']} on 127.0.0.1 with filesystem storage. Image: a CPU "
              f"capture padded with a {r['weights_bytes'] / 2**30:.1f} GiB random weights file, {gb:.2f} GB in all; "
              f"the registry stored {r['registry_bytes'] / 1e9:.2f} GB. Page cache warm.", "",
+             f"Load average (1, 5, 15 min) before {_load(r['host']['load_average_before'])}, after "
+             f"{_load(r['host']['load_average_after'])}: other work shared the 2 cores.", "",
+             "What bounds it here, each measured on 1 GiB of random bytes: page-cache writes "
+             f"{r['floors']['page_cache_write_MBps']:.0f} MB/s, sha256 {r['floors']['sha256_MBps']:.0f} MB/s on one "
+             f"core, the registry's ingest of one raw blob {r['floors']['registry_ingest_MBps']:.0f} MB/s and its "
+             f"serving {r['floors']['registry_serve_MBps']:.0f} MB/s.", "",
              "| step | wall (CLI) | rate (image bytes / wall) | phases (s) | |", "|---|---|---|---|---|"]
     for name, wall, timings, note in rows:
         phases = ", ".join(f"{k} {v:.2f}" for k, v in timings.items())
