@@ -145,6 +145,7 @@ def _fetch_manifest(client: RegistryClient, ref: Reference, image_dir: Path) -> 
     write_atomic(staging, MANIFEST, config)
     manifest = read_manifest(staging)  # the format and engine protocol versions, the schema
     require_trust(staging, manifest)   # every path inside the image, shm names plain
+    require_safe_directory(manifest.control_dir, "the manifest's control_dir")  # as a restore will, before 20 GB
     match_manifest(artifact, manifest)
     need = sum(entry.size for rel, entry in manifest.files.items() if not os.path.lexists(staging / rel))
     st = os.statvfs(staging)
