@@ -6,6 +6,8 @@ artifact, a registry that asks for a login."""
 from __future__ import annotations
 
 import base64
+import hashlib
+import io
 import json
 import os
 import subprocess
@@ -148,6 +150,8 @@ def test_an_interrupted_pull_publishes_nothing_and_a_rerun_completes_it(pushed: 
     manifest = read_manifest(target)
     assert manifest == read_manifest(pushed.image)
     verify_files(target, manifest)
+    again = vsnap_json("pull", pushed.ref, "--to", str(target), rc=4)  # an image is never replaced unasked
+    assert "already exists" in again["message"] and "--force" in again["hint"]
 
 
 def test_an_interrupted_push_resumes_sending_only_the_rest(pushed: Pushed) -> None:
@@ -175,6 +179,19 @@ def test_a_hostile_artifact_is_refused_and_writes_nothing_outside(pushed: Pushed
     result = subprocess.run([VSNAP, "pull", pushed.ref.replace(":v1", ":other"), "--to", str(target)],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 4 and "is not a vsnap image" in result.stderr, result.stderr
+    # a manifest.json whose control_dir a restore would mount over /etc: refused before any payload
+    config = json.loads((pushed.image / "manifest.json").read_text())
+    config["control_dir"] = "/etc"
+    data = json.dumps(config).encode()
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    client.upload_file(io.BytesIO(data), len(data), digest)
+    client.put_manifest(json.dumps(dict(good, config={**good["config"], "digest": digest, "size": len(data)})).encode(),
+                        "etc")
+    result = subprocess.run([VSNAP, "pull", pushed.ref.replace(":v1", ":etc"), "--to", str(target), "--json"],
+                            capture_output=True, text=True, timeout=120)
+    doc = json.loads(result.stdout)
+    assert result.returncode == 4 and "control_dir" in doc["message"] and "/etc" in doc["message"], doc
+    assert not os.path.lexists(target)
 
 
 def test_a_registry_that_asks_for_a_login_gets_the_docker_configs(tmp_path: Path) -> None:
