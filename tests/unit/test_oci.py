@@ -373,3 +373,24 @@ def test_docker_config_follows_docker_config_env(tmp_path: Path, monkeypatch: py
     (tmp_path / "config.json").write_text("[]")
     with pytest.raises(RegistryUnavailable, match="is not a JSON object"):
         read_docker_config(tmp_path / "config.json")
+
+
+def test_pushed_blobs_are_remembered_until_the_file_changes(tmp_path: Path) -> None:
+    from vsnap._pushed import PushedBlobs
+
+    image, root = tmp_path / "img", tmp_path / "pushed"
+    (image / "criu").mkdir(parents=True, mode=0o700)
+    page = image / "criu" / "pages-1.img"
+    page.write_bytes(b"x" * 100)
+    os.chmod(page, 0o600)
+    layer = Layer("criu/pages-1.img", "zstd", "sha256:" + HEX, 42)
+    PushedBlobs(image, root).remember(layer, os.lstat(page))
+    assert PushedBlobs(image, root).known("criu/pages-1.img", os.lstat(page), "zstd") == layer
+    assert PushedBlobs(image, root).known("criu/pages-1.img", os.lstat(page), "raw") is None
+    with open(page, "ab") as f:
+        f.write(b"y")  # size, mtime and ctime change: the blob must be made again
+    assert PushedBlobs(image, root).known("criu/pages-1.img", os.lstat(page), "zstd") is None
+    PushedBlobs(image, root).remember(layer, os.lstat(page))
+    assert PushedBlobs(image, root).known("criu/pages-1.img", os.lstat(page), "zstd") == layer
+    os.chmod(root, 0o777)  # a record others could have written is no record
+    assert PushedBlobs(image, root).known("criu/pages-1.img", os.lstat(page), "zstd") is None
