@@ -29,9 +29,12 @@ setup: system criu venv
 
 system:
 	@command -v apt-get >/dev/null || { echo "make setup needs apt-get (Debian/Ubuntu)"; exit 1; }
-	@if ! dpkg -s python3-venv util-linux curl iproute2 >/dev/null 2>&1; then \
+	@if ! dpkg -s python3-venv util-linux curl iproute2 docker-registry >/dev/null 2>&1; then \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-	    python3 python3-venv python3-pip util-linux curl iproute2 ca-certificates >/dev/null; fi
+	    python3 python3-venv python3-pip util-linux curl iproute2 ca-certificates docker-registry >/dev/null; \
+	  systemctl disable --now docker-registry.service >/dev/null 2>&1 || true; fi
+# docker-registry: the tests start their own on 127.0.0.1 (tests/integration/test_registry.py), so
+# the service Debian enables on :5000 is switched off
 
 criu:
 	bash scripts/criu/install.sh
@@ -39,7 +42,7 @@ criu:
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q $(PIP_FLAGS) "$(TORCH)"
-	$(PY) -m pip install -q $(PIP_FLAGS) -e ".[cpu,dev]"
+	$(PY) -m pip install -q $(PIP_FLAGS) -e ".[cpu,registry,dev]"
 	touch $@
 
 venv: $(VENV)/.installed

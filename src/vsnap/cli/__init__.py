@@ -16,7 +16,7 @@ from . import _render
 
 EXIT_CODES_HELP = """
 Exit codes: 0 ok · 1 error · 2 bad model.yaml or usage · 3 host not ready
-(CRIU, root, port) · 4 image missing, altered, untrusted or from another
+(CRIU, root, port, registry) · 4 image missing, altered, untrusted or from another
 host · 5 checkpoint/restore failed · 6 engine failed · 7 oracle mismatch
 after restore · 8 unsafe control file · 9 nothing running · 10 no such
 instance · 11 option not supported here · 130 interrupted.
@@ -156,7 +156,7 @@ def error_boundary(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-from . import activate, bench, capture, inspect, ps, restore, stop, validate  # noqa: E402,F401  (registers the commands)
+from . import activate, bench, capture, inspect, ps, pull, push, restore, stop, validate  # noqa: E402,F401  (registers the commands)
 
 
 def main() -> None:

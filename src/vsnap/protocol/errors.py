@@ -6,6 +6,7 @@ so it imports nothing from vsnap, rich, torch or vLLM.
     VsnapError               1  message, hint, log_path
     ├── SpecError            2  issues: [SpecIssue(file, line, column, field, message)]
     ├── HostNotReady         3  check, required, found
+    │   └── RegistryUnavailable  registry (unreachable, refused our credentials, answered with an error)
     ├── UsageError           2  a command line that cannot apply (Click's usage errors exit 2 too)
     │   └── UnsupportedOption 11  option (e.g. --gpu for an image without CUDA state)
     ├── ImageError           4
@@ -14,7 +15,9 @@ so it imports nothing from vsnap, rich, torch or vLLM.
     │   ├── ImageTampered       file, expected, actual
     │   ├── ImageUntrusted      path, reason (owner, mode, symlink, a path that leaves the image)
     │   ├── ImageBusy           path (locked by a capture or restore)
-    │   └── ImageHostMismatch   mismatches: [(fact, recorded, current)]
+    │   ├── ImageHostMismatch   mismatches: [(fact, recorded, current)]
+    │   └── ArtifactError       reference, file (a registry's artifact: missing, not vsnap's, malformed,
+    │                           hostile, or a blob that does not match its digest)
     ├── CheckpointError      5  phase
     │   ├── CriuError           action, returncode, log_path, excerpt
     │   ├── ProcessTreeError    pid, reason
@@ -159,6 +162,24 @@ class ImageHostMismatch(ImageError):
             f"image does not fit this host: {text}",
             hint="restore on a host with the same software, or capture a new image here",
         )
+
+
+class RegistryUnavailable(HostNotReady):
+    """An OCI registry could not be used: unreachable, refused our credentials, or answered an error."""
+
+    def __init__(self, registry: str, message: str, *, hint: str = "") -> None:
+        super().__init__("registry", message, hint=hint)
+        self.registry = registry
+
+
+class ArtifactError(ImageError):
+    """What a registry holds under a reference is not a vsnap image this vsnap will take: missing,
+    another kind of artifact, malformed, naming paths outside the image, too large, or a blob whose
+    bytes do not match its digest (``file``: the image file it was to become)."""
+
+    def __init__(self, reference: str, message: str, *, file: str | None = None, hint: str = "") -> None:
+        super().__init__(message, hint=hint or "push the image again from a host that holds it intact")
+        self.reference, self.file = reference, file
 
 
 class UsageError(VsnapError):

@@ -1,0 +1,46 @@
+"""vsnap pull REF [--to DIR]"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .. import _pull
+from . import _render
+from . import app, error_boundary
+
+
+@app.command(help="Pull REF (REGISTRY/REPOSITORY[:TAG] or ...@sha256:DIGEST) from an OCI registry into a new "
+                  "image directory: every blob and file checked, published only when complete; an "
+                  "interrupted pull resumes.")
+@error_boundary
+def pull(
+    ref: str = typer.Argument(..., help="REGISTRY/REPOSITORY[:TAG] or REGISTRY/REPOSITORY@sha256:DIGEST"),
+    to: Optional[Path] = typer.Option(None, "--to", help="image directory (default: "
+                                                         "/var/lib/vsnap/images/<the repository's last part>)"),
+    force: bool = typer.Option(False, "--force", help="replace an existing image there once the pulled one is "
+                                                      "complete"),
+    insecure: bool = typer.Option(False, "--insecure", help="speak plain http to a registry that is not on "
+                                                            "127.0.0.1 or localhost (those always get http)"),
+    jobs: int = typer.Option(_pull.DEFAULT_JOBS, "--jobs", min=1, max=64, help="blobs fetched at once"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON document on stdout"),
+) -> None:
+    progress = _render.PhaseProgress()
+    try:
+        result = _pull.pull_image(ref, to=to, force=force, insecure=insecure, jobs=jobs, on_event=progress)
+    finally:
+        progress.close()
+    if as_json:
+        _render.print_json("pull", {
+            "image": str(result.image_dir), "reference": result.reference, "digest": result.digest,
+            "files": result.files, "downloaded": result.downloaded, "reused": result.reused,
+            "bytes_received": result.bytes_received, "image_bytes": result.image_bytes,
+            "timings": result.timings, "total_s": sum(result.timings.values()),
+        })
+        return
+    _render.stdout.print(_render.timing_table(f"pulled {result.reference}", result.timings))
+    _render.stdout.print(f"image: {result.image_dir} ({result.image_bytes / 1e6:.1f} MB; {result.downloaded} blobs "
+                         f"fetched, {result.bytes_received / 1e6:.1f} MB, {result.reused} kept from an interrupted "
+                         "pull)", markup=False)

@@ -1,0 +1,43 @@
+"""vsnap push IMAGE REF"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from .. import _push
+from . import _render
+from . import app, error_boundary
+
+
+@app.command(help="Push IMAGE to an OCI registry as REF (REGISTRY/REPOSITORY[:TAG]). Blobs the registry "
+                  "already holds are not sent again, so an interrupted push resumes.")
+@error_boundary
+def push(
+    image: Path = typer.Argument(..., help="image directory"),
+    ref: str = typer.Argument(..., help="REGISTRY/REPOSITORY[:TAG] (TAG defaults to latest)"),
+    insecure: bool = typer.Option(False, "--insecure", help="speak plain http to a registry that is not on "
+                                                            "127.0.0.1 or localhost (those always get http)"),
+    jobs: int = typer.Option(_push.DEFAULT_JOBS, "--jobs", min=1, max=64, help="blobs sent at once"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON document on stdout"),
+) -> None:
+    progress = _render.PhaseProgress()
+    try:
+        result = _push.push_image(image, ref, insecure=insecure, jobs=jobs, on_event=progress)
+    finally:
+        progress.close()
+    seconds = sum(result.timings.values())
+    if as_json:
+        _render.print_json("push", {
+            "image": str(result.image_dir), "reference": result.reference, "digest": result.digest,
+            "blobs": result.blobs, "uploaded": result.uploaded, "skipped": result.skipped,
+            "bytes_sent": result.bytes_sent, "bytes_skipped": result.bytes_skipped, "image_bytes": result.image_bytes,
+            "timings": result.timings, "total_s": seconds,
+        })
+        return
+    _render.stdout.print(_render.timing_table(f"pushed {result.image_dir}", result.timings))
+    _render.stdout.print(f"{result.reference}: {result.blobs} blobs, {result.uploaded} sent "
+                         f"({result.bytes_sent / 1e6:.1f} MB), {result.skipped} already there "
+                         f"({result.bytes_skipped / 1e6:.1f} MB); image {result.image_bytes / 1e6:.1f} MB",
+                         markup=False)
