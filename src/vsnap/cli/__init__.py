@@ -156,7 +156,7 @@ def error_boundary(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-from . import bench, capture, inspect, ps, restore, stop, validate  # noqa: E402,F401  (registers the commands)
+from . import bench, capture, images, inspect, ps, restore, rm, stop, validate  # noqa: E402,F401  (registers the commands)
 
 
 def main() -> None:
