@@ -88,7 +88,7 @@ class RemovedImage:
 # --- listing ---------------------------------------------------------------------------------------
 
 
-def list_images(dirs: Sequence[Path] = (), *, instances: Instances = running_instances) -> ImageListing:
+def list_images(dirs: Sequence[Path] = (), *, instances: Instances | None = None) -> ImageListing:
     """The images found under ``dirs`` (each an image, or a directory of images), else under the
     default root(s). A directory named in ``dirs`` must exist; a missing default root lists nothing."""
     explicit = bool(dirs)
@@ -208,9 +208,11 @@ def inspect_image(image_dir: Path) -> ImageInfo:
                      format_version=manifest.format_version)
 
 
-def _instances_by_image(instances: Instances) -> dict[str, list[str]]:
+def _instances_by_image(instances: Instances | None) -> dict[str, list[str]]:
+    """Running instances' ids by the real path of the image they were restored from (``instances``:
+    where the records come from, by default the registry)."""
     found: dict[str, list[str]] = {}
-    for record in instances():
+    for record in (instances or running_instances)():
         found.setdefault(os.path.realpath(record.image), []).append(record.id)
     return found
 
@@ -229,7 +231,7 @@ def image_path(target: str) -> Path:
     return Path(os.path.abspath(target))
 
 
-def remove_image(target: str | Path, *, instances: Instances = running_instances) -> RemovedImage:
+def remove_image(target: str | Path, *, instances: Instances | None = None) -> RemovedImage:
     """Remove the image ``target`` names (see image_path), and finish removals of it that were
     interrupted. Refused (ImageError, exit 4) unless it is a vsnap image of root's alone whose
     manifest lists every file in it, while a capture or a restore holds its locks, and while an
@@ -387,8 +389,15 @@ def _walk_to_parent(top: int, rel: str) -> tuple[int, str]:
     *parents, leaf = rel.split("/")
     fd = os.dup(top)
     try:
-        for part in parents:
-            step = _open_dir(fd, part)
+        for index, part in enumerate(parents):
+            try:
+                step = _open_dir(fd, part)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
+                    raise
+                raise ImageUntrusted("/".join(parents[:index + 1]), "is not a real directory any more (a link or "
+                                     "a file); vsnap removes nothing through it",
+                                     hint="look at what is left, and remove it yourself") from None
             os.close(fd)
             fd = step
     except BaseException:
