@@ -66,6 +66,9 @@ class HostFacts(_Frozen):
     driver: str | None = None
     cuda: str | None = None
     gpus: list[dict[str, Any]] = Field(default_factory=list)
+    # versions of the other Python distributions the engine loads (_host.ENGINE_PACKAGES), those
+    # installed at capture; optional: an image captured before the field compares none of them
+    packages: dict[str, str] = Field(default_factory=dict)
 
 
 class ImageLaunch(_Frozen):

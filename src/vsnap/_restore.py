@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from .protocol import control
 from .protocol.control import Activation, ErrorReport, Status
@@ -24,9 +25,9 @@ from ._capture import TREE_DIRS
 from ._criu import CriuRunner, LazyPagesServer
 from ._criu_options import LazyPagesOptions, RestoreOptions
 from .protocol.errors import (CheckpointError, EngineError, HostNotReady, OracleMismatch, ProcessTreeError,
-                              UnsupportedOption)
+                              UnsupportedOption, VsnapError)
 from ._events import ProgressCallback, Timings
-from ._host import check_criu, check_root, require_host_matches
+from ._host import HostDifference, check_criu, check_root, require_host_matches
 from ._cleanup import Cleanup
 from ._image import image_read_lock, verify_files
 from ._manifest import CRIU_DIR, ENGINE_LOG, SHM_DIR, WEIGHTS_DIR, Manifest, read_manifest
@@ -61,6 +62,7 @@ class RestoredServer:
     heartbeat: control.OwnerHeartbeat | None = None
     lazy_pages: LazyPagesServer | None = None  # still sending the tree's memory, when restored lazily
     identity: ProcessIdentity | None = None  # the tree's root, as restored (PID + start time)
+    host_warnings: list[str] = field(default_factory=list)  # facts that differ from the capturing host's, not fatal
 
     @property
     def url(self) -> str:
@@ -163,8 +165,21 @@ def verify_image(image_dir: Path, *, rehash: bool = False) -> Manifest:
     """
     manifest = read_manifest(image_dir)
     verify_files(image_dir, manifest, cache_root=VERIFIED_DIR, rehash=rehash)
-    require_host_matches(manifest)
+    require_host_matches(manifest, cache_root=VERIFIED_DIR)
     return manifest
+
+
+def _note_host_differences(differences: list[HostDifference]) -> Callable[..., bool]:
+    """An exit callback that adds to a failed restore's hint the facts in which this host differs
+    from the capturing one without being refused (a CRIU failure on another kernel, say)."""
+    def add_note(exc_type: object, exc: BaseException | None, tb: object) -> bool:
+        if isinstance(exc, VsnapError) and differences:
+            note = (f"this host differs from the capturing one in {', '.join(d.fact for d in differences)} "
+                    "(not refused; vsnap validate IMAGE lists each)")
+            exc.hint = f"{exc.hint}; {note}" if exc.hint else note
+        return False
+
+    return add_note
 
 
 def read_ahead(directory: Path) -> None:
@@ -213,7 +228,9 @@ def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000,
     image_dir = Path(image_dir).absolute()
     timings = Timings(on_event)
     lazy: LazyPagesServer | None = None
-    with Cleanup() as cleanup, ExitStack() as reading:
+    host_warnings: list[HostDifference] = []
+    with Cleanup() as cleanup, ExitStack() as reading, ExitStack() as noting:
+        noting.push(_note_host_differences(host_warnings))
         with timings.phase("verify image"):
             check_root()
             require_trusted_tree(image_dir)  # before a byte of the image is read (verify_files walks it again)
@@ -229,15 +246,15 @@ def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000,
             # restore needs anyway); the first failure in this order is the one reported.
             with ThreadPoolExecutor(max_workers=5) as pool:
                 hashing = pool.submit(verify_files, image_dir, manifest, cache_root=VERIFIED_DIR, rehash=rehash)
-                checks = [pool.submit(check_criu), hashing,
-                          pool.submit(require_host_matches, manifest),
-                          pool.submit(check_port_free, host, port)]
+                host_fit = pool.submit(require_host_matches, manifest, cache_root=VERIFIED_DIR)
+                checks = [pool.submit(check_criu), hashing, host_fit, pool.submit(check_port_free, host, port)]
                 if lazy_pages:
                     checks.append(pool.submit(check_lazy_pages, CriuRunner.locate()))
                 choosing = pool.submit(choose_gpu, manifest, gpu) if manifest.cuda_processes else None
                 for check in checks:
                     check.result()
                 target = choosing.result() if choosing is not None else None
+                host_warnings += host_fit.result()  # differences that do not stop a restore
         prune_dead_runs()
         weights_dir = image_dir / WEIGHTS_DIR
         with timings.phase("prepare host"):
@@ -324,6 +341,7 @@ def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000,
     server.recovery = {k: v for k, v in validated.detail.items() if isinstance(v, (int, float))}
     server.weights_source = validated.detail.get("weights_source")
     server.hashed_files = len(hashing.result())
+    server.host_warnings = [f"{d.line} ({d.why})" for d in host_warnings]
     if "recovered" in t and "oracle_checked" in t:
         server.recovery["oracle_s"] = t["oracle_checked"] - t["recovered"]
     server.recovery.update(serve_split)  # the serve phase: socket handoff, then the server's own start

@@ -35,6 +35,9 @@ def restore(
                                          on_event=progress)
     finally:
         progress.close()
+    if not as_json:
+        for warning in server.host_warnings:  # before the table: they may explain what follows
+            _render.stderr.print(f"warning: {_render.clean(warning)}", markup=False)
     if as_json:
         _render.print_json("restore", {
             "pid": server.pid, "url": server.url, "host": server.host, "port": server.port,
@@ -42,6 +45,7 @@ def restore(
             "timings": server.timings, "total_s": sum(server.timings.values()), "recovery": server.recovery,
             "weights_source": server.weights_source, "hashed_files": server.hashed_files, "lazy_pages": lazy_pages,
             "engine_log": str(server.engine_log), "restore_log": str(server.restore_log), "detached": detach,
+            "host_warnings": server.host_warnings,
         })
     else:
         _render.stdout.print(_render.timing_table(f"restored {server.image_dir}", server.timings, server.recovery))
