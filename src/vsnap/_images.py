@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
+from . import _verified as verified
 from ._image import _flock, _open_lock
 from ._instances import InstanceRecord, running_instances
 from ._manifest import CRIU_DIR, LOGS_DIR, MANIFEST, MAX_MANIFEST_BYTES, SHM_DIR, WEIGHTS_DIR, read_manifest
@@ -247,8 +248,10 @@ def remove_image(target: str | Path, *, instances: Instances | None = None) -> R
     except FileNotFoundError:
         st = None
     if st is None:
-        finished = finish_interrupted(image_dir)
+        finished, problems = finish_interrupted(image_dir)
         if not finished:
+            if problems:
+                raise problems[0]
             raise ImageError(f"{image_dir} does not exist", hint="vsnap images lists the images")
         return RemovedImage(str(image_dir), None, 0, 0, finished)
     if stat.S_ISLNK(st.st_mode):
@@ -266,8 +269,9 @@ def remove_image(target: str | Path, *, instances: Instances | None = None) -> R
         files, dirs, name = recognize(image_dir)
         size = sum(os.lstat(image_dir / rel).st_size for rel in files)
         staging = _rename_away(image_dir)
+        verified.forget(image_dir)  # what this host hashed of it: a new image at this path is hashed anew
         _delete(staging, files, dirs)
-    finished = finish_interrupted(image_dir)
+    finished, _ = finish_interrupted(image_dir)  # one it cannot recognize stays (vsnap images reports it)
     return RemovedImage(str(image_dir), name, len(files), size, finished)
 
 
@@ -451,17 +455,18 @@ def _left_behind(path: Path, exc: OSError) -> ImageError:
                       hint="look at it, and remove it yourself")
 
 
-def finish_interrupted(image_dir: Path) -> list[str]:
+def finish_interrupted(image_dir: Path) -> tuple[list[str], list[ImageError]]:
     """Complete removals of ``image_dir`` that were interrupted: its `.NAME.rm-XXXXXXXX` siblings
     that are root's private directories. One that still has its manifest is removed as an image
     (what the manifest lists); one without is removed only if nothing but empty directories is
-    left in it. Returns the paths finished."""
-    finished = []
+    left in it. Returns the paths finished, and why others were left (nothing of those is deleted)."""
+    finished: list[str] = []
+    problems: list[ImageError] = []
     pattern = re.compile(rf"^\.{re.escape(image_dir.name)}{re.escape(RM_INFIX)}[0-9a-f]{{8}}$")
     try:
         names = sorted(n for n in os.listdir(image_dir.parent) if pattern.match(n))
     except FileNotFoundError:
-        return []
+        return [], []
     for name in names:
         leftover = image_dir.parent / name
         try:
@@ -470,17 +475,27 @@ def finish_interrupted(image_dir: Path) -> list[str]:
             continue
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
             continue  # not what vsnap made (vsnap's are root's, 0700): not ours to delete
-        if _has_manifest(leftover):
-            files, dirs, _ = recognize(leftover)
-        else:
-            dirs = []
-            for dirpath, dirnames, filenames in os.walk(leftover, followlinks=False):
-                links = [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]
-                if filenames or links:
-                    raise ImageError(f"{leftover} holds files but no manifest; vsnap removes only what it recognizes",
-                                     hint="look at it, and remove it yourself")
-                dirs += [str((Path(dirpath) / d).relative_to(leftover)) for d in dirnames]
-            files, dirs = [], sorted(dirs, key=lambda d: -d.count("/"))
-        _delete(leftover, files, dirs)
+        try:
+            files, dirs = _leftover_contents(leftover)
+            _delete(leftover, files, dirs)
+        except ImageError as exc:
+            problems.append(exc)
+            continue
         finished.append(str(leftover))
-    return finished
+    return finished, problems
+
+
+def _leftover_contents(leftover: Path) -> tuple[list[str], list[str]]:
+    """What an interrupted removal left that vsnap recognizes: an image (its manifest is deleted
+    last), or, once the manifest went, nothing but empty directories."""
+    if _has_manifest(leftover):
+        files, dirs, _ = recognize(leftover)
+        return files, dirs
+    dirs = []
+    for dirpath, dirnames, filenames in os.walk(leftover, followlinks=False):
+        links = [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]
+        if filenames or links:
+            raise ImageError(f"{leftover} holds files but no manifest; vsnap removes only what it recognizes",
+                             hint="look at it, and remove it yourself")
+        dirs += [str((Path(dirpath) / d).relative_to(leftover)) for d in dirnames]
+    return [], sorted(dirs, key=lambda d: -d.count("/"))

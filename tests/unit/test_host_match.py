@@ -194,3 +194,18 @@ def test_old_manifests_without_packages_still_read() -> None:
                                           '"python": "3.11", "vsnap": "0.2.0"}')
     assert facts.packages == {}
     assert manifest().origin == "captured"
+
+
+def test_a_failed_restore_names_the_differences_that_did_not_stop_it() -> None:
+    from vsnap._restore import _note_host_differences
+    from vsnap.protocol.errors import CriuError
+
+    differences = [HostDifference("kernel", "5.15.0", "6.1.0", False, "why"),
+                   HostDifference("criu", "4.2.1", "4.3", False, "why")]
+    error = CriuError("restore", 1, "/x/restore.log", "Error (criu/x.c:1): something", hint="read the log")
+    assert _note_host_differences(differences)(type(error), error, None) is False  # the error goes on
+    assert error.hint == ("read the log; this host differs from the capturing one in kernel, criu "
+                          "(not refused; vsnap validate IMAGE lists each)")
+    untouched = CriuError("restore", 1, "/x/restore.log", "", hint="read the log")
+    _note_host_differences([])(type(untouched), untouched, None)
+    assert untouched.hint == "read the log"

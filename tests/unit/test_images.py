@@ -280,11 +280,25 @@ def test_an_interrupted_rm_is_finished_by_the_next(tmp_path: Path) -> None:
     theirs = root / ".fake.rm-deadbeef"  # looks like one, but another user made it: not ours
     theirs.mkdir(mode=0o700)
     os.chown(theirs, NOBODY, NOBODY)
+    stray = root / ".fake.rm-0000ffff"  # root's, but holds a file and no manifest: not recognized, left
+    stray.mkdir(mode=0o700)
+    (stray / "notes").write_text("?")
     removed = _images.remove_image(image, instances=no_instances)
     assert removed.name is None and removed.finished == [str(leftover), str(empty)]
-    assert sorted(p.name for p in root.iterdir() if not p.name.endswith(".lock")) == [".fake.rm-deadbeef"]
+    assert sorted(p.name for p in root.iterdir() if not p.name.endswith(".lock")) == [".fake.rm-0000ffff",
+                                                                                     ".fake.rm-deadbeef"]
+    with pytest.raises(ImageError, match="holds files but no manifest"):
+        _images.remove_image(image, instances=no_instances)
+    assert (stray / "notes").exists()
+    os.unlink(stray / "notes")
+    os.rmdir(stray)
     with pytest.raises(ImageError, match="does not exist"):
         _images.remove_image(image, instances=no_instances)
+    make_image(image)  # a new image there, and one left by an interrupted rm it cannot recognize
+    os.mkdir(stray, 0o700)
+    (stray / "notes").write_text("?")
+    assert _images.remove_image(image, instances=no_instances).finished == []  # the image goes, the stray stays
+    assert not image.exists() and (stray / "notes").exists()
 
 
 def test_deletion_never_goes_through_a_link_swapped_in(tmp_path: Path) -> None:
