@@ -25,7 +25,7 @@ import re
 import secrets
 import stat
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
@@ -92,6 +92,9 @@ class RemovedImage:
 def list_images(dirs: Sequence[Path] = (), *, instances: Instances | None = None) -> ImageListing:
     """The images found under ``dirs`` (each an image, or a directory of images), else under the
     default root(s). A directory named in ``dirs`` must exist; a missing default root lists nothing."""
+    from ._host import check_root
+
+    check_root()  # "root's alone" means this process's user's: as anyone else, nothing would be trusted
     explicit = bool(dirs)
     roots = [Path(os.path.abspath(d)) for d in dirs] if explicit else list(DEFAULT_ROOTS)
     images: list[ImageInfo] = []
@@ -112,8 +115,7 @@ def list_images(dirs: Sequence[Path] = (), *, instances: Instances | None = None
             except VsnapError as exc:
                 skipped.append(SkippedEntry(str(candidate), _reason(exc, candidate)))
                 continue
-            ids = by_image.get(os.path.realpath(candidate), [])
-            images.append(info if not ids else ImageInfo(**{**info.__dict__, "instances": ids}))
+            images.append(replace(info, instances=by_image.get(os.path.realpath(candidate), [])))
     return ImageListing([str(r) for r in roots], images, skipped)
 
 
@@ -158,8 +160,9 @@ def _candidates(root: Path, st: os.stat_result) -> tuple[list[Path], list[Skippe
             entry_st = os.lstat(path)
         except FileNotFoundError:
             continue  # removed meanwhile
-        if _RM_LEFTOVER.match(name) and stat.S_ISDIR(entry_st.st_mode):
-            image = root / _RM_LEFTOVER.match(name).group(1)  # type: ignore[union-attr]
+        leftover = _RM_LEFTOVER.match(name)
+        if leftover and stat.S_ISDIR(entry_st.st_mode):
+            image = root / leftover.group(1)
             skipped.append(SkippedEntry(str(path), f"is what an interrupted `vsnap rm` left; "
                                                    f"`vsnap rm {image}` finishes it"))
             continue
@@ -193,8 +196,9 @@ def inspect_image(image_dir: Path) -> ImageInfo:
     for rel in manifest.files:
         require_inside(rel, "manifest 'files'")
     present = set(found) - {MANIFEST}
-    for rel in sorted(present - set(manifest.files)):
-        raise ImageTampered(rel, "no such file", "an unlisted file")
+    unlisted = sorted(present - set(manifest.files))
+    if unlisted:
+        raise ImageTampered(unlisted[0], "no such file", "an unlisted file")
     total = os.lstat(image_dir / MANIFEST).st_size
     for rel, entry in sorted(manifest.files.items()):
         if rel not in present:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+from dataclasses import asdict
 from pathlib import Path, PurePosixPath
 from typing import Iterable, List, Optional
 
@@ -91,8 +92,8 @@ def images(
     if as_json:
         _render.print_json("images", {
             "roots": listing.roots,
-            "images": [info.__dict__ for info in listing.images],
-            "skipped": [entry.__dict__ for entry in listing.skipped],
+            "images": [asdict(info) for info in listing.images],
+            "skipped": [asdict(entry) for entry in listing.skipped],
         })
         return
     for entry in listing.skipped:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import typer
 
 from .. import _images
@@ -21,7 +23,7 @@ def rm(
 ) -> None:
     removed = _images.remove_image(image)
     if as_json:
-        _render.print_json("rm", {"removed": removed.__dict__})
+        _render.print_json("rm", {"removed": asdict(removed)})
         return
     for leftover in removed.finished:
         _render.stdout.print(f"finished an interrupted removal: {leftover}", markup=False)
