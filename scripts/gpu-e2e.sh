@@ -78,6 +78,22 @@ for n in 1 2; do
   cp "$instance_dir/engine.log" "$OUT/engine-restore$n.log" 2>/dev/null
   "${VSNAP[@]}" stop "$IMAGE" --json > "$OUT/stop$n.json" 2>&1
 done
+
+log "vsnap restore --standby, then vsnap activate"
+"${VSNAP[@]}" restore "$IMAGE" --standby --detach --json > "$OUT/standby.json" 2> "$OUT/standby.err"; rc=$?
+echo "standby rc=$rc"; tail -4 "$OUT/standby.err"
+if [ $rc -eq 0 ]; then
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader > "$OUT/gpu-standby.txt"
+  instance=$("$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['instance'])" "$OUT/standby.json")
+  t0=$(date +%s.%N)
+  "${VSNAP[@]}" activate "$instance" --port "$PORT" --json > "$OUT/activate.json" 2> "$OUT/activate.err"; rc=$?
+  echo "activate rc=$rc"; tail -6 "$OUT/activate.err"
+  "$PY" scripts/check_oracle.py "$IMAGE" "http://127.0.0.1:$PORT" > "$OUT/check-activated.json"; echo "oracle over HTTP after activation rc=$?"
+  t1=$(date +%s.%N)
+  echo "$t0 $t1" > "$OUT/wall-activate.txt"
+  cp "$WORK/control/$SHAPE".instances/"$instance"/engine.log "$OUT/engine-activated.log" 2>/dev/null
+  "${VSNAP[@]}" stop "$instance" --json > "$OUT/stop-standby.json" 2>&1
+fi
 nvidia-smi --query-gpu=memory.used --format=csv,noheader > "$OUT/gpu-after.txt"
 pgrep -f "vsnap.engine $WORK" > "$OUT/leftover-pids.txt" && echo "LEFTOVER PROCESSES" || echo "no process left"
 

@@ -17,6 +17,28 @@ def load(path: Path) -> dict:
         return {}
 
 
+def standby_record(out: Path) -> dict | None:
+    """`vsnap restore --standby` then `vsnap activate` (gpu-e2e.sh's last step), if it ran."""
+    standby, activated = load(out / "standby.json"), load(out / "activate.json")
+    if not standby:
+        return None
+    check = load(out / "check-activated.json")
+    try:
+        t0, t1 = map(float, (out / "wall-activate.txt").read_text().split())
+        wall = t1 - t0
+    except (OSError, ValueError):
+        wall = None
+    return {"standby_phases": standby.get("timings"), "standby_total_s": standby.get("total_s"),
+            "standby_host_memory_bytes": standby.get("memory_bytes"),
+            "gpu_used_while_standing_by": (out / "gpu-standby.txt").read_text().strip()
+            if (out / "gpu-standby.txt").exists() else None,
+            "activate_phases": activated.get("timings"), "activate_total_s": activated.get("total_s"),
+            "activate_engine": activated.get("recovery"), "activate_plus_oracle_over_http_s": wall,
+            "oracle_over_http": {k: check.get(k) for k in ("ok", "max_abs_logprob_diff")},
+            "error": None if activated else (out / "activate.err").read_text()[-500:]
+            if (out / "activate.err").exists() else "activate did not run"}
+
+
 def main() -> None:
     out, image, shape = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
     manifest = read_manifest(image)
@@ -46,6 +68,7 @@ def main() -> None:
                       "restore_plus_oracle_over_http_s": w, "oracle_over_http": {k: c.get(k) for k in
                       ("ok", "max_abs_logprob_diff", "first_request_s", "tolerance")}}
                      for r, c, w in zip(restores, checks, walls)],
+        "standby": standby_record(out),
         "oracle_ok": all(c.get("ok") for c in checks),
         # what fills the image: each process's anonymous memory at the dump, and the largest files
         "processes": manifest.processes,
@@ -72,6 +95,19 @@ def main() -> None:
         print(f"  {'oracle over HTTP':<34}{'ok' if c.get('ok') else 'MISMATCH':>9}  max |dlogprob| {c.get('max_abs_logprob_diff')}")
         if w:
             print(f"  {'restore + all oracle requests':<34}{w:9.2f} s")
+    sb = record["standby"]
+    if sb:
+        print(f"{'standby (vsnap restore --standby)':<36}{(sb['standby_total_s'] or 0):9.2f} s  "
+              f"host memory {(sb['standby_host_memory_bytes'] or 0) / 1e9:.2f} GB, GPU used {sb['gpu_used_while_standing_by']}")
+        print(f"{'activate (vsnap activate total)':<36}{(sb['activate_total_s'] or 0):9.2f} s")
+        for k, v in (sb.get("activate_phases") or {}).items():
+            print(f"  {k:<34}{v:9.2f} s")
+        for k, v in (sb.get("activate_engine") or {}).items():
+            print(f"    engine {k:<27}{v:9.3f}")
+        ok = (sb.get("oracle_over_http") or {}).get("ok")
+        print(f"  {'oracle over HTTP':<34}{'ok' if ok else 'MISMATCH':>9}")
+        if sb.get("error"):
+            print(f"  activate error: {sb['error']}")
     print(f"{'':-<60}\nrecord: {out / 'record.json'}")
 
 

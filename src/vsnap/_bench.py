@@ -4,7 +4,10 @@
   snapshot work), from launch to the first HTTP completion; "fully cold" with an empty compile
   cache, then "warm cache" reusing it (vLLM; the cpu engine has no compile cache);
 * capture: `capture_image()` of the spec, with the warm cache, into an image of the bench's own;
-* restore to first token: `restore_image()` plus the first completion, ``runs`` times;
+* restore to first token: a `vsnap restore --detach` command (a new interpreter, as a user runs it)
+  plus the first completion, ``runs`` times;
+* standby (unless turned off): `vsnap restore --standby --detach` (its time and host memory), then
+  `vsnap activate` plus the first completion, ``runs`` times;
 * equal outputs: BENCH_PROMPTS prompts x BENCH_TOKENS greedy tokens, sent one at a time to the
   fully cold start, the first warm cold start and the first restore, token ids and logprobs
   compared (restored vs cold is the result; cold vs cold says how far the engine agrees with itself);
@@ -48,7 +51,8 @@ from ._image import check_parent
 from ._instances import new_instance_dir
 from ._manifest import ENGINE_LOG, WEIGHTS_DIR
 from ._proctree import launch_tree
-from ._restore import RestoredServer, _wait_status, hand_over_listener, restore_image, stop_server
+from ._instances import running_instances
+from ._restore import _wait_status, hand_over_listener, stop_server
 from ._shm import instance_shm_dir, remove_instance_shm
 from ._spec import ModelSpec
 from ._trust import copy_no_follow, make_trusted_dirs
@@ -56,6 +60,7 @@ from ._trust import copy_no_follow, make_trusted_dirs
 BENCH_PROMPTS = 32
 BENCH_TOKENS = 16
 REQUEST_TIMEOUT_S = 300
+CLI_TIMEOUT_S = 900  # one `vsnap restore` / `vsnap activate` the bench runs
 NOTE_PREFIX = "vsnap:"  # the engine's own log lines worth keeping in the record
 
 Completion = tuple[list[int], list[float]]  # token ids, the logprob of each
@@ -213,8 +218,8 @@ def cold_start(spec: ModelSpec, env_extra: dict[str, str],
         start = time.monotonic()
         tree = launch_tree(control_dir, work, shm, env)
         cleanup.on_exit(end_launched_tree, tree)
-        _wait_status(work, tree.root_pid, ("validated",), "boot engine", log)
-        status = hand_over_listener(work, tree.root_pid, "127.0.0.1", 0, log)
+        _wait_status(work, tree.identity, ("validated",), "boot engine", log)
+        status = hand_over_listener(work, tree.identity, "127.0.0.1", 0, log)
         url = f"http://127.0.0.1:{status.detail['port']}"
         first_token(url, spec.served_model_name)
         seconds = time.monotonic() - start
@@ -301,7 +306,8 @@ def _median_phases(runs: list[dict[str, float]]) -> dict[str, float]:
 
 
 def run_bench(spec: ModelSpec, *, runs: int = 3, cold_runs: int | None = None, lazy_pages: bool = False,
-              out_dir: Path | None = None, on_event: ProgressCallback | None = None) -> dict[str, Any]:
+              standby: bool = True, out_dir: Path | None = None,
+              on_event: ProgressCallback | None = None) -> dict[str, Any]:
     timings = Timings(on_event)
     with timings.phase("preflight"):
         if out_dir is not None:
@@ -318,15 +324,16 @@ def run_bench(spec: ModelSpec, *, runs: int = 3, cold_runs: int | None = None, l
         dirs = make_bench_dirs(spec, cleanup)
         own = bench_spec(spec, dirs)
         cleanup.on_exit(verified.forget, dirs.image)  # capture and restores remember what they hashed
-        servers: list[RestoredServer] = []
+        started: list[str] = []  # instances the bench's `vsnap restore` commands started
 
         def stop_all() -> None:
-            while servers:
-                stop_server(servers.pop())
+            while started:
+                stop_instance(started.pop())
 
         cleanup.on_exit(stop_all)
         try:
-            record = _measure(spec, own, dirs, model_dir, runs, cold_runs, lazy_pages, timings, outputs, servers)
+            record = _measure(spec, own, dirs, model_dir, runs, cold_runs, lazy_pages, standby, timings, outputs,
+                              started)
         except BaseException as error:
             keep_evidence(error, dirs, out_dir, stem)
             raise
@@ -337,9 +344,40 @@ def run_bench(spec: ModelSpec, *, runs: int = 3, cold_runs: int | None = None, l
     return record
 
 
+def run_cli(args: list[str], started: list[str]) -> dict[str, Any]:
+    """``vsnap ARGS --json`` in a new interpreter (what a user's command costs, its start included);
+    its JSON document. The instance it names is added to ``started`` (the bench stops them all)."""
+    out = subprocess.run([sys.executable, "-m", "vsnap", *args, "--json"], capture_output=True, text=True,
+                         timeout=CLI_TIMEOUT_S, cwd="/")  # from /: nothing is imported from the caller's directory
+    try:
+        doc = dict(json.loads(out.stdout))
+    except ValueError:
+        doc = {}
+    if doc.get("instance"):
+        started.append(str(doc["instance"]))
+    if out.returncode != 0 or doc.get("kind") == "error":
+        raise EngineError("bench", str(doc.get("error", "CommandFailed")),
+                          f"vsnap {args[0]} exited {out.returncode}: {doc.get('message') or out.stderr.strip()[-300:]}",
+                          log_path=doc.get("log_path"))
+    return doc
+
+
+def stop_instance(instance_id: str) -> None:
+    """Stop one instance the bench started, by its record (nothing if it is already gone)."""
+    for record in running_instances():
+        if record.id == instance_id:
+            stop_server(record)
+
+
+def _phases(doc: dict[str, Any]) -> dict[str, float]:
+    """A `vsnap restore/activate --json` document's phases and the engine's own breakdown."""
+    return {**doc.get("timings", {}), **{k if k.startswith("verify_") else f"engine {k}": v
+                                         for k, v in (doc.get("recovery") or {}).items() if k.endswith("_s")}}
+
+
 def _measure(spec: ModelSpec, own: ModelSpec, dirs: BenchDirs, model_dir: Path, runs: int, cold_runs: int | None,
-             lazy_pages: bool, timings: Timings, outputs: Callable[[str], list[Completion]],
-             servers: list[RestoredServer]) -> dict[str, Any]:
+             lazy_pages: bool, standby: bool, timings: Timings, outputs: Callable[[str], list[Completion]],
+             started: list[str]) -> dict[str, Any]:
     cache_env = {"VLLM_CACHE_ROOT": str(dirs.cache)} if spec.engine == "vllm" else {}
     with timings.phase("cold start (fully cold)"):
         cold = [cold_start(own, cache_env, outputs)]
@@ -352,24 +390,26 @@ def _measure(spec: ModelSpec, own: ModelSpec, dirs: BenchDirs, model_dir: Path, 
         captured = capture_image(own, env=cache_env)  # with the warm cache too
     capture_s = time.monotonic() - start
     notes = {"capture": engine_notes(captured.image_dir / ENGINE_LOG)}
+    image = str(captured.image_dir)
     restores, phases, sources, instances = [], [], set(), [c.instance_id for c in cold]
     restored_outputs: list[Completion] = []
     for n in range(runs):
         with timings.phase(f"restore to first token #{n + 1}"):
             start = time.monotonic()
-            server = restore_image(captured.image_dir, port=0, lazy_pages=lazy_pages)
-            servers.append(server)
-            instances.append(server.instance_id)
-            first_token(server.url, spec.served_model_name)
+            doc = run_cli(["restore", image, "--port", "0", "--detach"] + (["--lazy-pages"] if lazy_pages else []),
+                          started)
+            first_token(doc["url"], spec.served_model_name)
             restores.append(time.monotonic() - start)
+        instances.append(doc["instance"])
         if n == 0:
             with timings.phase("outputs of the restored server"):
-                restored_outputs = outputs(server.url)
-            notes["restore"] = engine_notes(server.engine_log)
-        phases.append({**server.timings, **{f"engine {k}": v for k, v in server.recovery.items() if k.endswith("_s")}})
-        sources.add(server.weights_source)
-        servers.remove(server)
-        stop_server(server)
+                restored_outputs = outputs(doc["url"])
+            notes["restore"] = engine_notes(Path(doc["engine_log"]))
+        phases.append(_phases(doc))
+        sources.add(doc.get("weights_source"))
+        started.remove(doc["instance"])
+        stop_instance(doc["instance"])
+    standbys = _measure_standby(image, spec, runs, started, timings, notes) if standby else None
     image_files = [captured.image_dir / rel for rel in captured.manifest.files]
     weights_file = [p for p in image_files if p.parent.name == WEIGHTS_DIR]
     model_weights = [p for p in model_dir.rglob("*.safetensors")]
@@ -387,7 +427,8 @@ def _measure(spec: ModelSpec, own: ModelSpec, dirs: BenchDirs, model_dir: Path, 
     return {
         "date": dt.date.today().isoformat(),
         "command": f"vsnap bench SPEC --runs {runs}" + (f" --cold-runs {cold_runs}" if cold_runs else "")
-                   + (" --lazy-pages" if lazy_pages else ""),
+                   + (" --lazy-pages" if lazy_pages else "") + ("" if standby else " --no-standby"),
+        "timed": "from starting the `vsnap restore` (or `vsnap activate`) command to the first completion answered",
         "lazy_pages": lazy_pages,
         "model": f"{spec.name} ({model_dir})",
         "gpu": facts.gpus[0]["name"] if facts.gpus else None,
@@ -415,9 +456,39 @@ def _measure(spec: ModelSpec, own: ModelSpec, dirs: BenchDirs, model_dir: Path, 
                                          **compare_outputs(cold[1].outputs, restored_outputs)},
                     "cold_vs_cold": {"expected": "fully cold start", "actual": "warm cold start #1",
                                      **compare_outputs(cold[0].outputs, cold[1].outputs)}},
+        "standby": standbys,
         "engine_notes": notes,
-        "work": {"instances": instances},
+        "work": {"instances": instances + [i for i in (standbys or {}).get("instances", [])]},
     }
+
+
+def _measure_standby(image: str, spec: ModelSpec, runs: int, started: list[str], timings: Timings,
+                     notes: dict[str, list[str]]) -> dict[str, Any]:
+    """``runs`` times: `vsnap restore --standby --detach` (timed, and the standby's host memory),
+    then `vsnap activate` to the first completion (timed), then stop."""
+    restore_s, memory, activations, phases, ids = [], [], [], [], []
+    for n in range(runs):
+        with timings.phase(f"standby #{n + 1}"):
+            start = time.monotonic()
+            waiting = run_cli(["restore", image, "--standby", "--detach"], started)
+            restore_s.append(time.monotonic() - start)
+            memory.append(int(waiting["memory_bytes"]))
+        with timings.phase(f"activation to first token #{n + 1}"):
+            start = time.monotonic()
+            doc = run_cli(["activate", waiting["instance"], "--port", "0"], started)
+            first_token(doc["url"], spec.served_model_name)
+            activations.append(time.monotonic() - start)
+        if n == 0:
+            notes["activate"] = engine_notes(Path(doc["engine_log"]))
+        phases.append(_phases(doc))
+        ids.append(doc["instance"])
+        started.remove(doc["instance"])
+        stop_instance(doc["instance"])
+    return {"standby_restore_s": restore_s, "standby_restore_s_median": statistics.median(restore_s),
+            "standby_host_memory_bytes": memory, "activation_to_first_token_s": activations,
+            "activation_to_first_token_s_median": statistics.median(activations),
+            "activation_spread_s": [min(activations), max(activations)], "phases": _median_phases(phases),
+            "instances": ids}
 
 
 def write_record(record: dict[str, Any], out_dir: Path, stem: str) -> Path:
@@ -438,6 +509,15 @@ def write_record(record: dict[str, Any], out_dir: Path, stem: str) -> Path:
              f"(restored from: {', '.join(record.get('weights_source') or ['?'])}).", "",
              "Restore phases (medians):", "", "| phase | seconds |", "|---|---|"]
     lines += [f"| {k} | {v:.3f} |" for k, v in record["phases"].items()]
+    if record.get("standby"):
+        sb = record["standby"]
+        lines += ["", "Standby (`vsnap restore --standby`, then `vsnap activate`):", "", "| | |", "|---|---|",
+                  f"| **activation to first token (median of {len(sb['activation_to_first_token_s'])})** | "
+                  f"**{sb['activation_to_first_token_s_median']:.2f} s** ({sb['activation_spread_s'][0]:.2f} to "
+                  f"{sb['activation_spread_s'][1]:.2f}) |",
+                  f"| standby restore (median) | {sb['standby_restore_s_median']:.2f} s |",
+                  f"| host memory of a standby | {max(sb['standby_host_memory_bytes']) / 1e9:.2f} GB (no GPU memory) |"]
+        lines += [f"| activation: {k} | {v:.3f} s |" for k, v in sb["phases"].items()]
     if record.get("processes"):
         lines += ["", "What fills the image (each process of the tree at the dump):", "",
                   "| process | anonymous memory | GPU memory before the CUDA checkpoint |", "|---|---|---|"]

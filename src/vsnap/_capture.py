@@ -29,7 +29,7 @@ from ._image import (HASH_THREADS, check_parent, checksum_tree, image_lock, imag
                      remove_stale_staging, require_replaceable, sha256_file)
 from ._instances import (CaptureRecord, new_instance_dir, prune_dead_runs, register_capture, this_process,
                          unregister_capture)
-from ._manifest import (CRIU_DIR, DUMP_LOG, ENGINE_LOG, FORMAT_VERSION, MANIFEST, SHM_DIR, WEIGHTS_DIR, Dependency,
+from ._manifest import (CRIU_DIR, DUMP_LOG, ENGINE_LOG, FORMAT_VERSION, MANIFEST, SHM_DIR, TREE_DIRS, WEIGHTS_DIR, Dependency,
                         HostFacts, ImageLaunch, Manifest)
 from ._proctree import LaunchedTree, is_same, kill_tree, launch_tree, mapped_and_open_files, tree_pids, wait_gone
 from ._trust import copy_no_follow, make_trusted_dirs, require_trusted_ancestors, require_trusted_model
@@ -77,7 +77,6 @@ def launch_config(spec: ModelSpec, model_dir: Path) -> LaunchConfig:
 
 VLLM_CACHE_ROOT = "/var/cache/vsnap/vllm"
 # directories of a vLLM tree's control directory (each instance has its own): vLLM's IPC sockets, TMPDIR
-TREE_DIRS = ("rpc", "tmp")
 
 
 def tree_environment(control_dir: Path, instance_dir: Path, engine: str = "cpu") -> dict[str, str]:

@@ -10,7 +10,8 @@ Records of instances live in RUNTIME_DIR/instances/<id>.json (`vsnap ps`, `vsnap
 names processes by identity (PID, start time, boot), never by PID alone: a record whose process
 ended, or whose PID now belongs to another process, is "gone": shown once as such, then pruned,
 and never signalled. A restore registers its instance as "restoring" (owned by the restoring
-vsnap process) before CRIU runs, so `vsnap stop` sees it; it turns "serving" once the oracle passed.
+vsnap process) before CRIU runs, so `vsnap stop` sees it; it turns "serving" once the oracle passed,
+or "standby" once CRIU returned (`vsnap restore --standby`; "activating" while `vsnap activate` runs).
 """
 
 from __future__ import annotations
@@ -66,9 +67,13 @@ class InstanceRecord(BaseModel):
     id: str
     image: str
     name: str
-    state: Literal["restoring", "serving"]
+    # restoring -> serving; or restoring -> standby (CRIU restored, CUDA still checkpointed, no
+    # port) -> activating -> serving
+    state: Literal["restoring", "standby", "activating", "serving"]
     owner: ProcessRef                 # the vsnap process that restores (or restored) it
     tree: ProcessRef | None = None    # the restored tree's root, once CRIU returned
+    activator: ProcessRef | None = None  # the `vsnap activate` process, while activating
+    image_digest: str = ""            # the image's manifest, as restored (an activation checks it)
     url: str = ""
     port: int = 0
     gpu: str | None = None
@@ -83,9 +88,9 @@ class InstanceRecord(BaseModel):
     @property
     def running(self) -> bool:
         """The processes this record names are still those processes."""
-        if self.state == "serving":
-            return self.tree is not None and is_same(self.tree.identity)
-        return is_same(self.owner.identity) or (self.tree is not None and is_same(self.tree.identity))
+        if self.state == "restoring":
+            return is_same(self.owner.identity) or (self.tree is not None and is_same(self.tree.identity))
+        return self.tree is not None and is_same(self.tree.identity)
 
 
 # A failed capture or restore keeps its directory (the logs its error names) this long.
@@ -135,16 +140,16 @@ def unregister(instance_id: str) -> None:
 
 def instance_records() -> tuple[list[InstanceRecord], list[InstanceRecord]]:
     """(running, gone): every record, checked against the processes it names. Gone records (ended,
-    PID reused) are removed on the way, as are records that no longer parse (another version's)."""
+    PID reused) are removed on the way; records that do not parse are skipped and kept."""
     directory = registry_dir()
     running, gone = [], []
     for path in sorted(directory.glob("*.json")):
         try:
             record = control.read_message(directory, path.name, InstanceRecord)
         except control.ControlProtocolError:
-            record = None
-            if path.is_file() and not path.is_symlink():
-                path.unlink(missing_ok=True)  # ours (a root-only directory), unreadable: no process to act on
+            # unreadable: not acted on, and not removed either (another vsnap version on this host
+            # may have written it, for an instance it still runs and must still be able to stop)
+            continue
         if record is None:
             continue
         if record.running:

@@ -139,6 +139,22 @@ def tree_pids(root_pid: int) -> list[int]:
         return []
 
 
+def tree_memory_bytes(root_pid: int) -> int:
+    """The host memory the tree holds: the sum of its processes' proportional set sizes (shared
+    pages counted once across them, /proc/PID/smaps_rollup)."""
+    total = 0
+    for pid in tree_pids(root_pid):
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith("Pss:"):
+                        total += int(line.split()[1]) * 1024
+                        break
+        except OSError:
+            continue  # ended meanwhile
+    return total
+
+
 def _pidfd(identity: ProcessIdentity) -> int | None:
     """A pidfd for exactly that process (opened, then the identity checked again), or None."""
     try:

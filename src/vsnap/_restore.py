@@ -7,6 +7,7 @@ kills the tree, so nothing is left running.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import socket
@@ -17,25 +18,26 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, TypeVar
 
 from .protocol import control
-from .protocol.control import Activation, ErrorReport, Status
-from ._capture import TREE_DIRS
+from .protocol.control import Activation, ErrorReport, Standby, Status
 from ._criu import CriuRunner, LazyPagesServer
 from ._criu_options import LazyPagesOptions, RestoreOptions
-from .protocol.errors import (CheckpointError, EngineError, HostNotReady, OracleMismatch, ProcessTreeError,
-                              UnsupportedOption, VsnapError)
+from .protocol.errors import (CheckpointError, EngineError, HostNotReady, ImageChanged, InstanceNotStandby,
+                              NothingRunning, OracleMismatch, ProcessTreeError, UnknownInstance, UnsupportedOption,
+                              VsnapError)
 from ._events import ProgressCallback, Timings
 from ._host import HostDifference, check_criu, check_root, require_host_matches
 from ._cleanup import Cleanup
 from ._image import image_read_lock, verify_files
-from ._manifest import CRIU_DIR, ENGINE_LOG, SHM_DIR, WEIGHTS_DIR, Manifest, read_manifest
+from ._manifest import CRIU_DIR, ENGINE_LOG, SHM_DIR, TREE_DIRS, WEIGHTS_DIR, Manifest, read_manifest
 from ._verified import VERIFIED_DIR
 from ._netns import NetnsHolder
 from ._instances import (InstanceRecord, ProcessRef, new_instance_dir, prune_dead_runs, register, request_stop,
                          running_instances, stop_requested, this_process, unregister)
-from ._proctree import ProcessIdentity, alive, become_subreaper, identify, is_same, kill_tree, reap, tree_pids
+from ._proctree import (ProcessIdentity, alive, become_subreaper, identify, is_same, kill_tree, reap, tree_memory_bytes,
+                        tree_pids)
 from ._shm import instance_shm_dir, put_back, remove_instance_shm, shm_dir_of
 from ._spec import require_safe_directory
 from ._trust import copy_no_follow, make_trusted_dirs, require_trusted_ancestors, require_trusted_tree
@@ -44,6 +46,7 @@ RESTORE_LOG = "restore.log"
 LAZY_PAGES_LOG = "lazy-pages.log"
 RESTORE_PID = "restore.pid"
 RECOVER_TIMEOUT_S = 600.0
+T = TypeVar("T")
 
 
 @dataclass
@@ -62,6 +65,8 @@ class RestoredServer:
     heartbeat: control.OwnerHeartbeat | None = None
     lazy_pages: LazyPagesServer | None = None  # still sending the tree's memory, when restored lazily
     identity: ProcessIdentity | None = None  # the tree's root, as restored (PID + start time)
+    state: str = "serving"  # or "standby": CRIU restored it, its CUDA state still checkpointed, no port
+    memory_bytes: int | None = None  # a standby's host memory (the tree's proportional set size)
     host_warnings: list[str] = field(default_factory=list)  # facts that differ from the capturing host's, not fatal
 
     @property
@@ -105,7 +110,7 @@ def _engine_failure(report: ErrorReport, log: Path) -> EngineError:
     return EngineError(report.phase, report.type, report.message, log_path=log)
 
 
-def _wait_status(control_dir: Path, pid: int, want: tuple[str, ...], phase: str, log: Path) -> Status:
+def _wait_status(control_dir: Path, tree: ProcessIdentity, want: tuple[str, ...], phase: str, log: Path) -> Status:
     def probe() -> Status | None:
         report = control.read_message(control_dir, control.ERROR, ErrorReport)
         if report is not None:
@@ -113,7 +118,7 @@ def _wait_status(control_dir: Path, pid: int, want: tuple[str, ...], phase: str,
         status = control.read_message(control_dir, control.STATUS, Status)
         if status is not None and status.state in want:
             return status
-        if not alive(pid):
+        if not is_same(tree):
             raise EngineError(phase, "EngineExited", "the restored engine exited without reporting why", log_path=log)
         return None
 
@@ -135,11 +140,11 @@ def bind_listener(host: str, port: int) -> socket.socket:
     return sock
 
 
-def hand_over_listener(work: Path, pid: int, host: str, port: int, log: Path) -> Status:
+def hand_over_listener(work: Path, tree: ProcessIdentity, host: str, port: int, log: Path) -> Status:
     """Bind host:port here, pass the socket into the validated tree, wait until it serves."""
     with bind_listener(host, port) as listener:
         control.send_listener(work, listener)
-    return _wait_status(work, pid, ("serving",), "serve", log)
+    return _wait_status(work, tree, ("serving",), "serve", log)
 
 
 def health_check(url: str, timeout_s: float = 30) -> None:
@@ -208,8 +213,48 @@ def _check_stop(work: Path) -> None:
                               hint="nothing was left running; restore again when you want it")
 
 
+class CheckClock:
+    """How long each check of the verify phase took (they run side by side): ``verify_<name>_s``."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._start = time.monotonic()
+
+    def call(self, name: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        start = time.monotonic()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.seconds[f"verify_{name}_s"] = time.monotonic() - start
+
+    def mark(self, name: str) -> None:
+        """The serial part so far, since the clock started or the last mark."""
+        now = time.monotonic()
+        self.seconds[f"verify_{name}_s"] = now - self._start
+        self._start = now
+
+
+@dataclass
+class _Tree:
+    """A tree CRIU restored, on its way to serving: what the phases after CRIU need."""
+
+    image_dir: Path
+    manifest: Manifest
+    work: Path  # its instance directory
+    identity: ProcessIdentity
+    record: InstanceRecord
+
+    @property
+    def engine_log(self) -> Path:
+        return self.work / control.ENGINE_LOG
+
+    @property
+    def weights_dir(self) -> Path:
+        return self.image_dir / WEIGHTS_DIR
+
+
 def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000, gpu: str | None = None,
-                  rehash: bool = False, lazy_pages: bool = False,
+                  rehash: bool = False, lazy_pages: bool = False, standby: bool = False,
                   on_event: ProgressCallback | None = None) -> RestoredServer:
     """Restore a new instance of the image's tree, activate it on host:port and return once it serves.
 
@@ -217,20 +262,28 @@ def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000,
     index or UUID; by default the captured GPU if present, else the first of the same model with
     enough free memory. ``rehash``: hash every image file even if this host verified it before.
     ``lazy_pages``: CRIU maps the tree's memory and a `criu lazy-pages` server fills it on first
-    touch (then pushes the rest), so CRIU returns sooner.
+    touch (then pushes the rest), so CRIU returns sooner. ``standby``: stop after CRIU restored the
+    tree, its CUDA state still checkpointed (no GPU memory, no port): `activate_instance` serves it.
 
     Before anything runs, the image must pass the trust model (_trust: root's alone, every path
     inside it) and its files must match the manifest; a shared lock on the image is held from
-    then until the engine has read the image's weights, so a capture cannot replace it meanwhile.
+    then until the engine has read the image's weights, so a capture cannot replace it meanwhile
+    (a standby's activation takes it again and checks the image is still the one restored).
     Every resource is released on every failure (_cleanup); the instance directory stays, with
     the logs the error names.
     """
     image_dir = Path(image_dir).absolute()
     timings = Timings(on_event)
+    if standby and gpu is not None:
+        raise UnsupportedOption("--gpu", f"--gpu {gpu}: a standby holds no GPU; give --gpu to `vsnap activate`")
+    if standby and lazy_pages:
+        raise UnsupportedOption("--lazy-pages", "a standby's memory is restored in full before it waits; "
+                                                "restore it without --lazy-pages")
     lazy: LazyPagesServer | None = None
     host_warnings: list[HostDifference] = []
     with Cleanup() as cleanup, ExitStack() as reading, ExitStack() as noting:
         noting.push(_note_host_differences(host_warnings))
+        clock = CheckClock()
         with timings.phase("verify image"):
             check_root()
             require_trusted_tree(image_dir)  # before a byte of the image is read (verify_files walks it again)
@@ -242,15 +295,20 @@ def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000,
             control_dir = Path(manifest.control_dir)
             require_safe_directory(manifest.control_dir, "the manifest's control_dir")
             require_trusted_ancestors(control_dir)
+            clock.mark("trust_and_manifest")
             # Independent checks side by side (the GPU ones start the CUDA driver, which the CUDA
             # restore needs anyway); the first failure in this order is the one reported.
             with ThreadPoolExecutor(max_workers=5) as pool:
-                hashing = pool.submit(verify_files, image_dir, manifest, cache_root=VERIFIED_DIR, rehash=rehash)
-                host_fit = pool.submit(require_host_matches, manifest, cache_root=VERIFIED_DIR)
-                checks = [pool.submit(check_criu), hashing, host_fit, pool.submit(check_port_free, host, port)]
+                hashing = pool.submit(clock.call, "files", verify_files, image_dir, manifest, cache_root=VERIFIED_DIR,
+                                      rehash=rehash)
+                host_fit = pool.submit(clock.call, "host", require_host_matches, manifest, cache_root=VERIFIED_DIR)
+                checks = [pool.submit(clock.call, "criu", check_criu), hashing, host_fit]
+                if not standby:  # a standby binds no port and takes no GPU until it is activated
+                    checks.append(pool.submit(clock.call, "port", check_port_free, host, port))
                 if lazy_pages:
                     checks.append(pool.submit(check_lazy_pages, CriuRunner.locate()))
-                choosing = pool.submit(choose_gpu, manifest, gpu) if manifest.cuda_processes else None
+                choosing = (pool.submit(clock.call, "gpu", choose_gpu, manifest, gpu)
+                            if manifest.cuda_processes and not standby else None)
                 for check in checks:
                     check.result()
                 target = choosing.result() if choosing is not None else None
@@ -262,7 +320,8 @@ def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000,
             control.ensure_private_dir(make_trusted_dirs(control_dir))  # the mount point inside the tree
             instance_id, work = new_instance_dir(control_dir, "r")
             record = InstanceRecord(id=instance_id, image=str(image_dir), name=manifest.name, state="restoring",
-                                    owner=this_process(), instance_dir=str(work), started_at=time.time())
+                                    owner=this_process(), instance_dir=str(work), started_at=time.time(),
+                                    image_digest=manifest_digest(manifest))
             register(record)  # `vsnap ps` and `vsnap stop` see it from now on
             cleanup.on_failure(unregister, instance_id)
             # CRIU reopens the log at its captured size and mode: put the captured log back.
@@ -270,6 +329,8 @@ def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000,
             if manifest.engine == "vllm":
                 for name in TREE_DIRS:
                     (work / name).mkdir(mode=0o700)
+            if standby:  # before CRIU: the tree's first look at its control directory sees it
+                control.write_message(work, control.STANDBY, Standby(since=time.time(), **control.stamp()))
             shm_dir = instance_shm_dir(instance_id)
             cleanup.on_failure(remove_instance_shm, shm_dir)
             put_back(image_dir / SHM_DIR, manifest.shm_files, shm_dir)
@@ -303,49 +364,140 @@ def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000,
             register(record)
             netns.close()  # the restored tree keeps the namespace alive
         _check_stop(work)
-        if manifest.cuda_processes:
-            from ._cuda import CudaCheckpoint
-
-            with timings.phase("cuda restore"):
-                cuda = CudaCheckpoint()
-                cuda_pids = cuda.cuda_pids(tree_pids(pid))
-                if len(cuda_pids) != manifest.cuda_processes:
-                    raise ProcessTreeError(pid, f"{len(cuda_pids)} CUDA processes after restore, "
-                                                f"{manifest.cuda_processes} at capture", phase="cuda restore")
-                captured = manifest.host.gpus[0]["uuid"] if manifest.host.gpus else None
-                pairs = [(captured, target["uuid"])] if target and captured and target["uuid"] != captured else []
-                cuda.restore(cuda_pids, gpu_pairs=pairs)
-            _check_stop(work)
-        with timings.phase("recover"):
-            control.write_message(work, control.ACTIVATION, Activation(
-                host=host, port=port, weights_dir=str(weights_dir) if weights_dir.is_dir() else None,
-                **control.stamp()))
-            validated = _wait_status(work, pid, ("validated",), "recover", engine_log)
-        reading.close()  # the engine has read the image's weights: a capture may replace it now
-        _check_stop(work)
-        with timings.phase("serve"):
-            started = time.monotonic()
-            serving = hand_over_listener(work, pid, host, port, engine_log)
-            handed_over = time.monotonic()
-            server = RestoredServer(pid, host, int(serving.detail.get("port", port)), image_dir, instance_id, work,
-                                    gpu=target["uuid"] if target else None, identity=identity)
-            health_check(server.url)
-            serve_split = {"socket_handoff_s": handed_over - started, "http_start_s": time.monotonic() - handed_over}
-        _check_stop(work)
-        register(record.model_copy(update={"state": "serving", "url": server.url, "port": server.port,
-                                           "gpu": server.gpu}))
+        tree = _Tree(image_dir, manifest, work, identity, record)
+        if standby:
+            reading.close()  # CRIU has read its pages; the activation locks the image again for the weights
+            register(record.model_copy(update={"state": "standby"}))
+            server = RestoredServer(pid, host, 0, image_dir, instance_id, work, identity=identity, state="standby",
+                                    memory_bytes=tree_memory_bytes(pid))
+        else:
+            server = _bring_up(tree, host, port, target, timings, reading)
     server.heartbeat = heartbeat
     server.lazy_pages = lazy
     server.timings = dict(timings.seconds)
+    server.hashed_files = len(hashing.result())
+    server.host_warnings = [f"{d.line} ({d.why})" for d in host_warnings]
+    server.recovery.update(clock.seconds)
+    return server
+
+
+def _bring_up(tree: _Tree, host: str, port: int, target: dict | None, timings: Timings,
+              reading: ExitStack) -> RestoredServer:
+    """CUDA restore (onto ``target``), recover (weights, oracle), then serve on host:port: the
+    phases after CRIU, shared by a restore and a standby's activation. ``reading`` holds the
+    image's readers' lock: released once the engine has read the weights."""
+    manifest, work, identity, engine_log = tree.manifest, tree.work, tree.identity, tree.engine_log
+    if manifest.cuda_processes:
+        from ._cuda import CudaCheckpoint
+
+        with timings.phase("cuda restore"):
+            cuda = CudaCheckpoint()
+            cuda_pids = cuda.cuda_pids(tree_pids(identity.pid))
+            if len(cuda_pids) != manifest.cuda_processes:
+                raise ProcessTreeError(identity.pid, f"{len(cuda_pids)} CUDA processes after restore, "
+                                                     f"{manifest.cuda_processes} at capture", phase="cuda restore")
+            captured = manifest.host.gpus[0]["uuid"] if manifest.host.gpus else None
+            pairs = [(captured, target["uuid"])] if target and captured and target["uuid"] != captured else []
+            cuda.restore(cuda_pids, gpu_pairs=pairs)
+        _check_stop(work)
+    with timings.phase("recover"):
+        control.write_message(work, control.ACTIVATION, Activation(
+            host=host, port=port, weights_dir=str(tree.weights_dir) if tree.weights_dir.is_dir() else None,
+            **control.stamp()))
+        validated = _wait_status(work, identity, ("validated",), "recover", engine_log)
+    reading.close()  # the engine has read the image's weights: a capture may replace it now
+    _check_stop(work)
+    with timings.phase("serve"):
+        started = time.monotonic()
+        serving = hand_over_listener(work, identity, host, port, engine_log)
+        handed_over = time.monotonic()
+        server = RestoredServer(identity.pid, host, int(serving.detail.get("port", port)), tree.image_dir,
+                                tree.record.id, work, gpu=target["uuid"] if target else None, identity=identity)
+        health_check(server.url)
+        serve_split = {"socket_handoff_s": handed_over - started, "http_start_s": time.monotonic() - handed_over}
+    _check_stop(work)
+    register(tree.record.model_copy(update={"state": "serving", "url": server.url, "port": server.port,
+                                            "gpu": server.gpu, "activator": None}))
     t = validated.times
     server.recovery = {k: v for k, v in validated.detail.items() if isinstance(v, (int, float))}
     server.weights_source = validated.detail.get("weights_source")
-    server.hashed_files = len(hashing.result())
-    server.host_warnings = [f"{d.line} ({d.why})" for d in host_warnings]
     if "recovered" in t and "oracle_checked" in t:
         server.recovery["oracle_s"] = t["oracle_checked"] - t["recovered"]
     server.recovery.update(serve_split)  # the serve phase: socket handoff, then the server's own start
     return server
+
+
+def standby_record(instance_id: str) -> InstanceRecord:
+    """The running standby ``instance_id`` (UnknownInstance / NothingRunning / InstanceNotStandby)."""
+    running = running_instances()
+    if not running:
+        raise NothingRunning(f"no vsnap instance is running (no standby {instance_id} to activate)")
+    record = next((r for r in running if r.id == instance_id), None)
+    if record is None:
+        standbys = [r.id for r in running if r.state == "standby"]
+        raise UnknownInstance(instance_id, hint=f"standbys: {', '.join(standbys[:5])}" if standbys
+                              else "no instance is standing by: `vsnap restore IMAGE --standby` makes one")
+    if record.state != "standby":
+        raise InstanceNotStandby(instance_id, record.state)
+    return record
+
+
+def activate_instance(instance_id: str, *, host: str = "127.0.0.1", port: int = 8000, gpu: str | None = None,
+                      on_event: ProgressCallback | None = None) -> RestoredServer:
+    """Serve the standby ``instance_id``: CUDA restore onto ``gpu`` (as restore_image chooses it),
+    weights from its image, the oracle, then host:port. Its owner stays whoever restored it (a
+    foreground `vsnap restore --standby` still ends it on Ctrl-C; a detached one runs on).
+
+    The image must be the one the standby was restored from (same manifest, files unchanged, the
+    trust model again): it is read again for the weights, under its readers' lock. On any
+    failure the standby is ended (its GPU state may be half restored); nothing is left running.
+    """
+    timings = Timings(on_event)
+    clock = CheckClock()
+    with Cleanup() as cleanup, ExitStack() as reading:
+        with timings.phase("verify image"):
+            check_root()
+            record = standby_record(instance_id)
+            if record.tree is None or Path(record.instance_dir).name != record.id:
+                raise ProcessTreeError(None, f"the record of {record.id} names no tree, or another directory",
+                                       phase="activate")
+            identity = record.tree.identity
+            work, image_dir = Path(record.instance_dir), Path(record.image)
+            require_trusted_tree(image_dir)
+            reading.enter_context(image_read_lock(image_dir))
+            manifest = read_manifest(image_dir)
+            if manifest_digest(manifest) != record.image_digest:
+                raise ImageChanged(image_dir, instance_id)
+            clock.mark("trust_and_manifest")
+            with ThreadPoolExecutor(max_workers=3) as pool:
+                checks = [pool.submit(clock.call, "files", verify_files, image_dir, manifest, cache_root=VERIFIED_DIR),
+                          pool.submit(clock.call, "port", check_port_free, host, port)]
+                choosing = pool.submit(clock.call, "gpu", choose_gpu, manifest, gpu) if manifest.cuda_processes else None
+                for check in checks:
+                    check.result()
+                target = choosing.result() if choosing is not None else None
+            if gpu is not None and not manifest.cuda_processes:
+                raise UnsupportedOption("--gpu", f"--gpu {gpu}: {image_dir} holds no CUDA state "
+                                                 f"(engine {manifest.engine}); there is no GPU to choose")
+            if not is_same(identity):
+                raise ProcessTreeError(identity.pid, f"standby {instance_id}'s tree is gone", phase="activate")
+            activating = record.model_copy(update={"state": "activating", "activator": this_process()})
+            register(activating)
+            # a failed activation ends the standby: its CUDA state may be half restored
+            cleanup.on_failure(kill_tree, identity)
+            cleanup.on_failure(unregister, instance_id)
+            cleanup.on_failure(remove_instance_shm, shm_dir_of(instance_id))
+        _check_stop(work)
+        server = _bring_up(_Tree(image_dir, manifest, work, identity, activating), host, port, target, timings,
+                           reading)
+    server.timings = dict(timings.seconds)
+    server.recovery.update(clock.seconds)
+    return server
+
+
+def manifest_digest(manifest: Manifest) -> str:
+    """What tells one image from another at the same path (a standby checks it at activation)."""
+    return hashlib.sha256(manifest.model_dump_json().encode()).hexdigest()
 
 
 STOP_WAIT_S = 60.0
@@ -368,7 +520,7 @@ def stop_server(server: RestoredServer | InstanceRecord, grace_s: float = 10.0) 
         if Path(server.instance_dir).name != server.id:
             raise ProcessTreeError(None, f"the record of {server.id} names another directory ({server.instance_dir})",
                                    phase="stop")
-        if server.state == "restoring":
+        if server.state in ("restoring", "activating"):
             _stop_restoring(server)
             return
         identity = server.tree.identity if server.tree else None
@@ -390,11 +542,11 @@ def _stop_restoring(record: InstanceRecord) -> None:
         now = next((r for r in running_instances() if r.id == record.id), None)
         if now is None:
             return  # the restore gave up and cleaned up
-        if now.state == "serving":
-            stop_server(now)  # it finished before it saw the request
+        if now.state not in ("restoring", "activating"):
+            stop_server(now)  # it finished (serving, or standing by) before it saw the request
             return
         time.sleep(0.05)
-    kill_tree(record.owner.identity, grace_s=5)  # a stuck restore: end it, then what it restored
+    kill_tree((record.activator or record.owner).identity, grace_s=5)  # a stuck restore: end it, then the tree
     if record.tree is not None:
         kill_tree(record.tree.identity)
     unregister(record.id)
@@ -406,9 +558,11 @@ def choose_gpu(manifest: Manifest, requested: str | None) -> dict:
     of the captured model with enough free memory. Refuses another model or too little memory."""
     from ._cuda import gpu_facts, gpu_free_memory
 
-    _, _, gpus = gpu_facts()
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        freeing = pool.submit(gpu_free_memory)  # while the CUDA driver starts
+        _, _, gpus = gpu_facts()
+        free = freeing.result()
     captured = manifest.host.gpus[0] if manifest.host.gpus else {}
-    free = gpu_free_memory()
     need = manifest.gpu_memory_required or 0
 
     def fits(g: dict) -> str | None:

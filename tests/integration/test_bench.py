@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from vsnap._instances import running_instances
+
 from tests.conftest import engine_processes
 from tests.integration.conftest import CapturedImage, run_vsnap
 
@@ -68,7 +70,7 @@ def test_bench_on_its_own_image(tmp_path: Path, captured: CapturedImage) -> None
     out = tmp_path / "records"
     result = run_vsnap("bench", str(bench_spec(tmp_path, captured.image)), "--runs", "1", "--out", str(out), "--json",
                        timeout=600)
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 0, result.stdout + result.stderr
     record = json.loads(result.stdout)
     assert KEYS <= set(record)
     assert record["gpu"] is None and record["image_bytes"] > 0 and record["floor_s"] > 0
@@ -91,7 +93,12 @@ def test_bench_on_its_own_image(tmp_path: Path, captured: CapturedImage) -> None
     assert record["work"]["removed"] is True
     assert not Path(record["work"]["image_work"]).exists() and not Path(record["work"]["control_work"]).exists()
     assert leftovers(tmp_path, captured.image) == []
-    assert len(record["work"]["instances"]) == 3 and shm_dirs_of(record["work"]["instances"]) == []
+    # two cold starts, a restore, a standby (activated): each gone with its /dev/shm directory
+    assert len(record["work"]["instances"]) == 4 and shm_dirs_of(record["work"]["instances"]) == []
+    standby = record["standby"]
+    assert len(standby["activation_to_first_token_s"]) == 1 and standby["standby_host_memory_bytes"][0] > 10 << 20
+    assert {"verify image", "recover", "serve"} <= set(standby["phases"]) and "criu restore" not in standby["phases"]
+    assert "activation to first token (median of 1)" in markdown
     assert bench_caches() <= caches
     assert engine_processes(Path(record["work"]["control_work"])) == []
     assert engine_processes(tmp_path / "control") == []
@@ -105,27 +112,30 @@ def test_bench_releases_everything_when_it_fails(tmp_path: Path, captured: Captu
     from vsnap._spec import load_spec
     from vsnap.protocol.errors import EngineError
 
-    made: list = []
-    real_restore, real_first_token = _bench.restore_image, _bench.first_token
+    made: list[dict] = []
+    real_run_cli, real_first_token = _bench.run_cli, _bench.first_token
 
-    def restore(*args, **kwargs):  # type: ignore[no-untyped-def]
-        made.append(real_restore(*args, **kwargs))
-        return made[-1]
+    def run_cli(args: list[str], started: list[str]) -> dict:
+        doc = real_run_cli(args, started)
+        if args[0] == "restore":
+            made.append(doc)
+        return doc
 
     def first_token(url: str, model: str) -> None:
         if made:  # the restored server's first request fails
-            raise EngineError("serve", "Injected", "injected after the restore", log_path=made[-1].engine_log)
+            raise EngineError("serve", "Injected", "injected after the restore", log_path=made[-1]["engine_log"])
         real_first_token(url, model)
 
-    monkeypatch.setattr(_bench, "restore_image", restore)
+    monkeypatch.setattr(_bench, "run_cli", run_cli)
     monkeypatch.setattr(_bench, "first_token", first_token)
     before = tree_state(captured.image)
     out = tmp_path / "records"
     with pytest.raises(EngineError, match="injected") as failure:
         _bench.run_bench(load_spec(bench_spec(tmp_path, captured.image, "failing")), runs=1, out_dir=out)
     server = made[0]
-    assert not server.instance_dir.exists()  # stopped, and its directory went with the bench's
-    assert not Path(f"/dev/shm/vsnap-{server.instance_id}").exists()
+    assert not Path(server["instance_dir"]).exists()  # stopped, and its directory went with the bench's
+    assert not Path(f"/dev/shm/vsnap-{server['instance']}").exists()
+    assert [r for r in running_instances() if r.id == server["instance"]] == []
     assert engine_processes(tmp_path / "control") == []  # every tree's command line names its control path
     assert tree_state(captured.image) == before
     assert leftovers(tmp_path, captured.image) == []

@@ -19,6 +19,7 @@ import pytest
 from tests.conftest import VSNAP, engine_processes
 from tests.integration.conftest import CapturedImage, run_vsnap, write_spec
 from vsnap import capture_image, load_spec
+from vsnap.protocol import control
 from vsnap.protocol.errors import CheckpointError
 
 pytestmark = pytest.mark.criu
@@ -106,7 +107,7 @@ def test_an_activation_written_before_the_dump_fails_the_capture(tmp_path: Path)
         while not done.is_set():
             for ready in instances.glob("capture-*/ready.json"):
                 (ready.parent / "activation.json").write_text(
-                    '{"host": "127.0.0.1", "port": 1, "protocol": 2, "vsnap": "0.2.0"}')
+                    '{"host": "127.0.0.1", "port": 1, "protocol": %d, "vsnap": "0.2.0"}' % control.PROTOCOL_VERSION)
                 os.chmod(ready.parent / "activation.json", 0o600)
                 return
             time.sleep(0.001)

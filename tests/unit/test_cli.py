@@ -13,7 +13,8 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 import vsnap
-from vsnap.cli import EXIT_CODES_HELP, _render, app, ps as ps_cli, stop as stop_cli
+from vsnap import _instances as _instances_module, _restore as _restore_module
+from vsnap.cli import EXIT_CODES_HELP, _render, app, ps as ps_cli
 from vsnap.protocol.errors import NothingRunning, UnknownInstance, UnsupportedOption
 
 runner = CliRunner()
@@ -88,7 +89,7 @@ class FakeRecord:
 
 
 def test_stop_with_nothing_running_exits_9(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(stop_cli, "running_instances", lambda: [])
+    monkeypatch.setattr(_instances_module, "running_instances", lambda: [])
     result = invoke("stop", "/var/lib/vsnap/images/x")
     assert result.exit_code == 9 and "no vsnap instance is running" in result.stderr
     doc = document(invoke("stop", "r-1", "--json"))
@@ -97,8 +98,8 @@ def test_stop_with_nothing_running_exits_9(monkeypatch: pytest.MonkeyPatch) -> N
 
 def test_stop_of_an_unknown_target_exits_10(monkeypatch: pytest.MonkeyPatch) -> None:
     stopped = []
-    monkeypatch.setattr(stop_cli, "running_instances", lambda: [FakeRecord("r-1", "/img/a")])
-    monkeypatch.setattr(stop_cli._restore, "stop_server", stopped.append)
+    monkeypatch.setattr(_instances_module, "running_instances", lambda: [FakeRecord("r-1", "/img/a")])
+    monkeypatch.setattr(_restore_module, "stop_server", stopped.append)
     result = invoke("stop", "/img/b")
     assert result.exit_code == 10 and "no running instance of /img/b" in result.stderr and "r-1" in result.stderr
     doc = document(invoke("stop", "r-2", "--json"))

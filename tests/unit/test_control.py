@@ -135,7 +135,7 @@ def test_owner_heartbeat(ctl: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_message_of_another_protocol_is_refused_naming_both_versions(tmp_path: Path) -> None:
     ctl = control.ensure_private_dir(tmp_path / "ctl")
     control.write_atomic(ctl, control.ACTIVATION, b'{"host": "127.0.0.1", "port": 1, "protocol": 1, "vsnap": "0.1.0"}')
-    with pytest.raises(ControlProtocolError, match=r"vsnap 0\.1\.0 \(protocol 1\).*protocol 2"):
+    with pytest.raises(ControlProtocolError, match=rf"vsnap 0\.1\.0 \(protocol 1\).*protocol {control.PROTOCOL_VERSION}"):
         control.read_message(ctl, control.ACTIVATION, Activation)
     control.write_atomic(ctl, control.ACTIVATION, b'{"host": "127.0.0.1", "port": 1}')  # before versions existed
     with pytest.raises(ControlProtocolError, match=r"protocol 1\)"):

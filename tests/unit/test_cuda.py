@@ -144,5 +144,6 @@ def test_nvidia_smi_rows_parsed(monkeypatch: pytest.MonkeyPatch) -> None:
     outputs = {"--query-gpu=uuid,memory.free": "GPU-a, 1024\nGPU-b, [N/A]\n",
                "--query-compute-apps=pid,used_memory": "11, 512\n11, 256\n12, 100\nbad line\n"}
     monkeypatch.setattr(subprocess, "run", lambda argv, **kw: SimpleNamespace(stdout=outputs[argv[1]]))
+    monkeypatch.setattr(_cuda, "_nvml_free_memory", lambda: None)  # no NVML: nvidia-smi answers
     assert _cuda.gpu_free_memory() == {"GPU-a": 1024 << 20}
     assert _cuda.gpu_memory_by_pid() == {11: 768 << 20, 12: 100 << 20}

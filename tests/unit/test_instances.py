@@ -102,3 +102,29 @@ def test_every_regular_file_of_a_trees_shm_is_saved_and_nothing_else(tmp_path: P
     (shm / "sub").mkdir()
     with pytest.raises(ProcessTreeError, match="sub in its /dev/shm, which is not a regular file"):
         tree_shm_files(shm)
+
+
+def test_standby_records_follow_their_tree_and_unreadable_records_are_kept(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A standby (or an activating one) runs while its tree runs, whoever owns it; a record another
+    vsnap version wrote (it does not parse here) is neither acted on nor removed."""
+    from vsnap._instances import instance_records
+
+    monkeypatch.setattr(_instances, "RUNTIME_DIR", tmp_path / "run")
+    me = this_process()
+    dead = me.model_copy(update={"start_time": me.start_time - 1})
+    for state in ("standby", "activating", "serving"):
+        record = InstanceRecord(id="r-1", image="/i", name="n", state=state, owner=dead, tree=me,
+                                instance_dir=str(tmp_path / "r-1"), started_at=time.time())
+        assert record.running, state  # its owner is gone (a detached standby), its tree is not
+        assert not record.model_copy(update={"tree": dead}).running, state
+    restoring = InstanceRecord(id="r-2", image="/i", name="n", state="restoring", owner=me,
+                               instance_dir=str(tmp_path / "r-2"), started_at=time.time())
+    assert restoring.running  # no tree yet: its restoring owner is what runs
+    register(restoring)
+    foreign = _instances.registry_dir() / "r-3.json"
+    foreign.write_text('{"id": "r-3", "state": "hibernating", "from": "a later vsnap"}')
+    os.chmod(foreign, 0o600)
+    running, gone = instance_records()
+    assert [r.id for r in running] == ["r-2"] and gone == []
+    assert foreign.exists()

@@ -6,8 +6,6 @@ from pathlib import Path
 
 import typer
 
-from .. import _bench
-from .._spec import load_spec
 from . import _render
 from . import app, error_boundary
 
@@ -24,12 +22,16 @@ def bench(
                                   help="cold starts with a warm compile cache (0: runs - 1, at least 1)"),
     out: Path = typer.Option(Path("docs/benchmarks"), "--out", help="where the record goes"),
     lazy_pages: bool = typer.Option(False, "--lazy-pages", help="restore with CRIU lazy pages (vsnap restore --lazy-pages)"),
+    standby: bool = typer.Option(True, "--standby/--no-standby", help="also time standbys: `vsnap restore --standby`, "
+                                                                      "then `vsnap activate` to the first completion"),
     as_json: bool = typer.Option(False, "--json", help="print the record as JSON"),
 ) -> None:
+    from .. import _bench  # here, not at import: every vsnap command loads every command module
+    from .._spec import load_spec
     progress = _render.PhaseProgress()
     try:
         record = _bench.run_bench(load_spec(spec), runs=runs, cold_runs=cold_runs or None, lazy_pages=lazy_pages,
-                                  out_dir=out, on_event=progress)
+                                  standby=standby, out_dir=out, on_event=progress)
     finally:
         progress.close()
     if as_json:
@@ -43,3 +45,8 @@ def bench(
         f"from the cold start (largest logprob difference {same['max_logprob_diff']:.3g})",
         {k: v for k, v in record["phases"].items() if not k.startswith("engine ")},
         {k.removeprefix("engine "): v for k, v in record["phases"].items() if k.startswith("engine ")}))
+    if record.get("standby"):
+        sb = record["standby"]
+        _render.stdout.print(f"standby: activation to first token {sb['activation_to_first_token_s_median']:.2f} s "
+                             f"(median of {runs}); a standby holds {max(sb['standby_host_memory_bytes']) / 1e9:.2f} GB "
+                             f"of host memory, no GPU memory", markup=False)

@@ -8,8 +8,6 @@ from typing import Optional
 
 import typer
 
-from .. import _capture
-from .._spec import load_spec
 from . import _render
 from . import app, error_boundary
 
@@ -22,6 +20,8 @@ def capture(
     force: bool = typer.Option(False, "--force", help="replace an existing image once the new one is complete"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON document on stdout"),
 ) -> None:
+    from .. import _capture  # here, not at import: every vsnap command loads every command module
+    from .._spec import load_spec
     # --image goes through the spec's own checks (absolute, no system directory, apart from the control dir)
     override = {"image": os.path.abspath(image)} if image is not None else None
     model_spec = load_spec(spec, overrides=override)

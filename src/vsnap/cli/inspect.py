@@ -8,7 +8,6 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from .._manifest import WEIGHTS_DIR, read_manifest
 from . import _render
 from . import app, error_boundary
 
@@ -19,6 +18,7 @@ def inspect(
     image: Path = typer.Argument(..., help="image directory"),
     as_json: bool = typer.Option(False, "--json", help="print the manifest as JSON"),
 ) -> None:
+    from .._manifest import WEIGHTS_DIR, read_manifest  # here, not at import: every vsnap command loads every command module
     manifest = read_manifest(image)
     if as_json:
         _render.print_json("inspect", {"image": str(image), "manifest": manifest.model_dump(mode="json")})

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import time
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import typer
 from rich import box
 from rich.table import Table
 from rich.text import Text
 
-from .. import _instances
+if TYPE_CHECKING:
+    from .. import _instances
+
 from . import _render
 from . import app, error_boundary
 
@@ -63,6 +65,8 @@ def ps_table(running: Iterable[_instances.InstanceRecord], gone: Iterable[_insta
 def _records() -> tuple[list[_instances.InstanceRecord], list[_instances.InstanceRecord]]:
     """(running, gone): a record whose processes ended or whose PID now belongs to another process
     is gone: shown once, then pruned by the registry."""
+    from .. import _instances
+
     return _instances.instance_records()
 
 
@@ -70,6 +74,8 @@ def _records() -> tuple[list[_instances.InstanceRecord], list[_instances.Instanc
                   "--json has the full URLs.")
 @error_boundary
 def ps(as_json: bool = typer.Option(False, "--json", help="print one JSON document on stdout")) -> None:
+    from .. import _instances  # here, not at import: every vsnap command loads every command module
+
     running, gone = _records()
     if as_json:
         _render.print_json("ps", {

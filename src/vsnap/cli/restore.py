@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 
-from .. import _restore
-from ..protocol.errors import EngineError
+if TYPE_CHECKING:
+    from .. import _restore
+
 from . import _render
 from . import app, error_boundary
 
 
 @app.command(help="Restore IMAGE, prove it with the oracle, then serve on --host/--port. "
-                  "Foreground by default (Ctrl-C stops it and leaves nothing running).")
+                  "Foreground by default (Ctrl-C stops it and leaves nothing running). With --standby: "
+                  "restore the processes only (CUDA state checkpointed, no GPU memory, no port) and let "
+                  "`vsnap activate INSTANCE` serve them.")
 @error_boundary
 def restore(
     image: Path = typer.Argument(..., help="image directory"),
@@ -27,18 +30,24 @@ def restore(
                                                         "verified before and that did not change since"),
     lazy_pages: bool = typer.Option(False, "--lazy-pages", help="let CRIU return before the tree's memory is "
                                                                 "read: pages arrive on first touch (criu lazy-pages)"),
+    standby: bool = typer.Option(False, "--standby", help="stop before the GPU: the instance waits, holding host "
+                                                          "memory only, until `vsnap activate INSTANCE`"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON document on stdout"),
 ) -> None:
+    from .. import _restore  # here, not at import: every vsnap command loads every command module
+    from ..protocol.errors import EngineError
     progress = _render.PhaseProgress()
     try:
         server = _restore.restore_image(image, host=host, port=port, gpu=gpu, rehash=rehash, lazy_pages=lazy_pages,
-                                         on_event=progress)
+                                         standby=standby, on_event=progress)
     finally:
         progress.close()
     if not as_json:
         for warning in server.host_warnings:  # before the table: they may explain what follows
             _render.stderr.print(f"warning: {_render.clean(warning)}", markup=False)
-    if as_json:
+    if standby:
+        _report_standby(server, as_json, detach)
+    elif as_json:
         _render.print_json("restore", {
             "pid": server.pid, "url": server.url, "host": server.host, "port": server.port,
             "instance": server.instance_id, "instance_dir": str(server.instance_dir), "gpu": server.gpu,
@@ -57,7 +66,7 @@ def restore(
         server.detach()
         return
     if not as_json:
-        _render.stderr.print("Ctrl-C stops the server")
+        _render.stderr.print("Ctrl-C stops the " + ("standby (and the server it becomes)" if standby else "server"))
     try:
         _restore.wait_server(server.pid)
     except KeyboardInterrupt:
@@ -65,3 +74,18 @@ def restore(
         _restore.stop_server(server)
         raise
     raise EngineError("serve", "EngineExited", "the server exited", log_path=server.engine_log)
+
+
+def _report_standby(server: _restore.RestoredServer, as_json: bool, detach: bool) -> None:
+    memory = server.memory_bytes or 0
+    if as_json:
+        _render.print_json("restore", {
+            "pid": server.pid, "state": "standby", "instance": server.instance_id,
+            "instance_dir": str(server.instance_dir), "timings": server.timings, "total_s": sum(server.timings.values()),
+            "memory_bytes": memory, "hashed_files": server.hashed_files, "engine_log": str(server.engine_log),
+            "restore_log": str(server.restore_log), "detached": detach,
+        })
+        return
+    _render.stdout.print(_render.timing_table(f"standby of {server.image_dir}", server.timings, {}))
+    _render.stdout.print(f"instance {server.instance_id} standing by (pid {server.pid}, {memory / 1e9:.2f} GB of host "
+                         f"memory, no GPU, no port); `vsnap activate {server.instance_id}` serves it", markup=False)

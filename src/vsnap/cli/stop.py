@@ -6,9 +6,6 @@ from pathlib import Path
 
 import typer
 
-from .. import _restore
-from ..protocol.errors import NothingRunning, UnknownInstance
-from .._instances import running_instances
 from . import _render
 from . import app, error_boundary
 
@@ -20,6 +17,9 @@ def stop(
     target: str = typer.Argument(..., help="image directory or instance id"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON document on stdout"),
 ) -> None:
+    from .. import _restore  # here, not at import: every vsnap command loads every command module
+    from .._instances import running_instances
+    from ..protocol.errors import NothingRunning, UnknownInstance
     running = running_instances()
     if not running:
         raise NothingRunning(f"no vsnap instance is running (nothing to stop for {target})")

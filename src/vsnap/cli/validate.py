@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from .._host import Check
-from .._validate import validate_target
+if TYPE_CHECKING:
+    from .._host import Check
+
 from . import _render
 from . import app, error_boundary
 
@@ -31,6 +32,8 @@ def validate(
     target: Optional[Path] = typer.Argument(None, help="a model.yaml or an image directory"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON document on stdout"),
 ) -> None:
+    from .._validate import validate_target  # here, not at import: every vsnap command loads every command module
+
     report = validate_target(target)
     if as_json:
         _render.print_json("validate", {

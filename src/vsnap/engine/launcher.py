@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from ..protocol import control
-from ..protocol.control import Activation, LaunchConfig, Ready, Status
+from ..protocol.control import Activation, LaunchConfig, Ready, Standby, Status
 from ..protocol.errors import ControlProtocolError, PhaseTimeout
 from ..protocol.oracle import compare_oracles
 from .adapters.base import make_adapter
@@ -21,13 +21,15 @@ from .heap import release_heap
 
 
 async def wait_for_activation(control_dir: Path, timeout_s: float) -> Activation:
-    """Wait for activation.json. Clock jumps across checkpoint/restore do not count (see _control)."""
+    """Wait for activation.json. Clock jumps across checkpoint/restore do not count (see _control).
+    A standby (standby.json beside it, written before CRIU restored this tree) waits without a
+    timeout: `vsnap activate` may come hours later, and `vsnap stop` or its owner's death end it."""
     budget = control.WaitBudget(timeout_s)
     while True:
         activation = control.read_message(control_dir, control.ACTIVATION, Activation)
         if activation is not None:
             return activation
-        if budget.expired():
+        if budget.expired() and control.read_message(control_dir, control.STANDBY, Standby) is None:
             raise PhaseTimeout("wait for activation", timeout_s)
         await asyncio.sleep(0.01)
         budget.tick()

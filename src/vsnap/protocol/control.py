@@ -2,6 +2,8 @@
 
     launch.json      CLI -> engine   what to build (engine, model, serve args, oracle settings)
     ready.json       engine -> CLI   the capture barrier is reached; carries the oracle
+    standby.json     CLI -> engine   this restored tree is a standby: wait for activation.json
+                                     as long as it takes (no timeout)
     activation.json  CLI -> engine   the tree was restored: recover, then serve on host:port
     status.json      engine -> CLI   "recovering", then "validated", then "serving"
     error.json       engine -> CLI   phase, type, message of a failure
@@ -34,12 +36,13 @@ from .oracle import Oracle
 LAUNCH = "launch.json"
 READY = "ready.json"
 ACTIVATION = "activation.json"
+STANDBY = "standby.json"
 STATUS = "status.json"
 ERROR = "error.json"
 OWNER = "owner.json"
 LISTENER = "listen.sock"  # where the engine receives its HTTP socket (SCM_RIGHTS) after validation
 ENGINE_LOG = "engine.log"
-CONTROL_FILES = (READY, ACTIVATION, STATUS, ERROR, OWNER)
+CONTROL_FILES = (READY, ACTIVATION, STANDBY, STATUS, ERROR, OWNER)
 
 # The vsnap process that owns a tree (the capture, or a foreground restore) writes owner.json
 # every OWNER_BEAT_S; a tree whose owner fell silent for OWNER_TIMEOUT_S shuts itself down, so a
@@ -55,7 +58,7 @@ MAX_COUNTED_STEP_S = 1.0
 # The engine contract: the CLI and the engine code frozen inside an image must speak the same
 # version of these messages. Raise it on any change of their meaning; the manifest records it,
 # and a restore refuses an image of another version before CRIU runs.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3  # 3: standby.json (a standby waits for its activation without a timeout)
 
 
 class _Message(BaseModel):
@@ -123,6 +126,13 @@ class Activation(_Versioned):
     host: str
     port: int = Field(ge=0, le=65535)
     weights_dir: str | None = None  # the image's weights file directory, when it has one
+
+
+class Standby(_Versioned):
+    """Written into a standby's instance directory before CRIU restores it: the tree waits for its
+    activation without a timeout (its CUDA state stays checkpointed until `vsnap activate`)."""
+
+    since: float  # time.time() when the standby was restored
 
 
 class Status(_Message):

@@ -295,3 +295,22 @@ class UnknownInstance(VsnapError):
     def __init__(self, target: str, *, hint: str = "") -> None:
         super().__init__(f"no running instance of {target}", hint=hint or "vsnap ps lists the running instances")
         self.target = target
+
+
+class InstanceNotStandby(UnknownInstance):
+    """`vsnap activate` named an instance that runs but is not standing by."""
+
+    def __init__(self, instance_id: str, state: str) -> None:
+        VsnapError.__init__(self, f"instance {instance_id} is {state}, not a standby",
+                            hint="vsnap ps shows each instance's state; only a standby "
+                                 "(`vsnap restore IMAGE --standby`) can be activated")
+        self.target, self.state = instance_id, state
+
+
+class ImageChanged(ImageError):
+    """A standby's image was replaced (captured again) after the standby was restored from it."""
+
+    def __init__(self, image: Path | str, instance_id: str) -> None:
+        super().__init__(f"{image} was captured again after standby {instance_id} was restored from it",
+                         hint=f"vsnap stop {instance_id}, then restore a standby of the new image")
+        self.image = str(image)

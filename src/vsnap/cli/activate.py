@@ -1,0 +1,42 @@
+"""vsnap activate INSTANCE"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from . import _render
+from . import app, error_boundary
+
+
+@app.command(help="Serve a standby (`vsnap restore IMAGE --standby`): restore its CUDA state onto --gpu, bring "
+                  "its weights back, prove it with the oracle, then serve on --host/--port. Returns once it "
+                  "serves; the instance keeps the owner the standby had. A failed activation ends the standby.")
+@error_boundary
+def activate(
+    instance: str = typer.Argument(..., help="the standby's instance id (vsnap ps)"),
+    host: str = typer.Option("127.0.0.1", "--host", help="address to serve on"),
+    port: int = typer.Option(8000, "--port", min=0, max=65535, help="port to serve on (0: any free port)"),
+    gpu: Optional[str] = typer.Option(None, "--gpu", help="GPU index or UUID (default: the captured GPU, else the "
+                                                          "first of its model with enough free memory)"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON document on stdout"),
+) -> None:
+    from .. import _restore  # here, not at import: every vsnap command loads every command module
+    progress = _render.PhaseProgress()
+    try:
+        server = _restore.activate_instance(instance, host=host, port=port, gpu=gpu, on_event=progress)
+    finally:
+        progress.close()
+    if as_json:
+        _render.print_json("activate", {
+            "pid": server.pid, "url": server.url, "host": server.host, "port": server.port,
+            "instance": server.instance_id, "instance_dir": str(server.instance_dir), "gpu": server.gpu,
+            "timings": server.timings, "total_s": sum(server.timings.values()), "recovery": server.recovery,
+            "weights_source": server.weights_source, "engine_log": str(server.engine_log),
+        })
+        return
+    _render.stdout.print(_render.timing_table(f"activated {server.instance_id}", server.timings, server.recovery))
+    _render.stdout.print(f"instance {server.instance_id} serving {server.url} (pid {server.pid}"
+                         f"{', GPU ' + server.gpu if server.gpu else ''}); engine log {server.engine_log}",
+                         markup=False)
