@@ -5,16 +5,18 @@ from __future__ import annotations
 import datetime as _dt
 from dataclasses import asdict
 from pathlib import Path, PurePosixPath
-from typing import Iterable, List, Optional
+from typing import TYPE_CHECKING, Iterable, List, Optional
 
 import typer
 from rich import box
 from rich.table import Table
 from rich.text import Text
 
-from .. import _images
 from . import _render
 from . import app, error_boundary
+
+if TYPE_CHECKING:
+    from .. import _images
 
 
 def human_size(size: int) -> str:
@@ -88,6 +90,8 @@ def images(
     dirs: Optional[List[Path]] = typer.Argument(None, help="directories of images, or images"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON document on stdout"),
 ) -> None:
+    from .. import _images  # here, not at import: every vsnap command loads every command module
+
     listing = _images.list_images(dirs or ())
     if as_json:
         _render.print_json("images", {

@@ -6,7 +6,6 @@ from dataclasses import asdict
 
 import typer
 
-from .. import _images
 from . import _render
 from . import app, error_boundary
 from .images import human_size
@@ -21,6 +20,8 @@ def rm(
     image: str = typer.Argument(..., help="image directory, or NAME under /var/lib/vsnap/images"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON document on stdout"),
 ) -> None:
+    from .. import _images  # here, not at import: every vsnap command loads every command module
+
     removed = _images.remove_image(image)
     if as_json:
         _render.print_json("rm", {"removed": asdict(removed)})
