@@ -171,8 +171,12 @@ def test_images_cli_json_and_stderr(tmp_path: Path) -> None:
     doc = json.loads(result.stdout)
     assert doc["kind"] == "images" and [i["name"] for i in doc["images"]] == ["fake"]
     assert doc["skipped"][0]["path"].endswith("/link")
+    (tmp_path / "images" / "x\nskipped forged: fine").symlink_to(tmp_path)
     plain = runner.invoke(app, ["images", str(tmp_path / "images")])
     assert plain.exit_code == 0 and "fake" in plain.stdout and "skipped" in plain.stderr
+    assert [line for line in plain.stderr.splitlines() if line.startswith("skipped")] == [
+        f"skipped {tmp_path}/images/link: is a symlink; vsnap never follows one",
+        f"skipped {tmp_path}/images/x\\nskipped forged: fine: is a symlink; vsnap never follows one"]
     missing = runner.invoke(app, ["images", str(tmp_path / "nope")])
     assert missing.exit_code == 4 and "does not exist" in missing.stderr
 
