@@ -54,7 +54,8 @@ class ImageInfo:
     name: str
     engine: str
     model: str  # the model directory the tree loaded (the built-in cpu model's too)
-    size_bytes: int
+    size_bytes: int  # the files' sizes
+    disk_bytes: int  # what they take on disk (sparse files, such as vLLM's shared-memory rings, take less)
     files: int
     created_at: str
     origin: str  # "captured", or the registry reference it was pulled from
@@ -199,16 +200,18 @@ def inspect_image(image_dir: Path) -> ImageInfo:
     unlisted = sorted(present - set(manifest.files))
     if unlisted:
         raise ImageTampered(unlisted[0], "no such file", "an unlisted file")
-    total = os.lstat(image_dir / MANIFEST).st_size
+    st = os.lstat(image_dir / MANIFEST)
+    total, disk = st.st_size, st.st_blocks * 512
     for rel, entry in sorted(manifest.files.items()):
         if rel not in present:
             raise ImageTampered(rel, f"{entry.size} bytes", "missing")
-        size = os.lstat(image_dir / rel).st_size
-        if size != entry.size:
-            raise ImageTampered(rel, f"{entry.size} bytes", f"{size} bytes")
-        total += size
+        st = os.lstat(image_dir / rel)
+        if st.st_size != entry.size:
+            raise ImageTampered(rel, f"{entry.size} bytes", f"{st.st_size} bytes")
+        total += st.st_size
+        disk += st.st_blocks * 512
     return ImageInfo(path=str(image_dir), name=manifest.name, engine=manifest.engine,
-                     model=manifest.launch.model, size_bytes=total,
+                     model=manifest.launch.model, size_bytes=total, disk_bytes=disk,
                      files=len(manifest.files) + 1, created_at=manifest.created_at, origin=manifest.origin,
                      format_version=manifest.format_version)
 

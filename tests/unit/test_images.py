@@ -56,6 +56,7 @@ def test_a_trusted_image_is_listed_with_its_facts(tmp_path: Path) -> None:
     assert info.model == "/var/lib/vsnap/models/cpu-tiny-v1" and info.created_at == "2026-12-01T10:00:00+00:00"
     assert info.size_bytes == sum(len(d) for d in FILES.values()) + (image / MANIFEST).stat().st_size
     assert info.files == len(FILES) + 1 and info.instances == []
+    assert info.disk_bytes == sum(p.lstat().st_blocks * 512 for p in image.rglob("*") if p.is_file())
 
 
 def test_an_image_given_itself_and_its_origin_and_instances(tmp_path: Path) -> None:
@@ -143,9 +144,10 @@ def test_the_default_root_is_listed_when_no_directory_is_given(tmp_path: Path,
 def test_the_table_fits_80_columns_and_loses_no_character(tmp_path: Path) -> None:
     ref = "registry.example.com:5000/team/llama-3.1-8b:v1@sha256:" + "b" * 64
     infos = [_images.ImageInfo("/var/lib/vsnap/images/llama-3.1-8b-instruct", "llama-3.1-8b-instruct", "vllm",
-                               "/models/Meta-Llama-3.1-8B-Instruct", 20_123_456_789, 60,
+                               "/models/Meta-Llama-3.1-8B-Instruct", 20_923_456_789, 20_123_456_789, 60,
                                "2026-12-01T12:26:52+00:00", ref, 2),
-             _images.ImageInfo("/var/lib/vsnap/images/cpu\x1b[31m", "cpu", "cpu", "/m/cpu-tiny-v1", 328_311_100, 49,
+             _images.ImageInfo("/var/lib/vsnap/images/cpu\x1b[31m", "cpu", "cpu", "/m/cpu-tiny-v1", 338_311_100,
+                               328_311_100, 49,
                                "2026-12-01T14:26:52+02:00", "captured", 2)]
     console = Console(file=io.StringIO(), width=80, color_system=None)
     console.print(images_cli.images_table(infos, 80))

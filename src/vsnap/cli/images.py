@@ -69,7 +69,7 @@ def fit_widths(natural: dict[str, int], total: int) -> dict[str, int]:
 def image_row(info: _images.ImageInfo) -> dict[str, str]:
     model = PurePosixPath(info.model).name or info.model
     return {"name": info.name, "image": info.path, "engine": info.engine, "model": model,
-            "size": human_size(info.size_bytes), "created": short_time(info.created_at), "from": info.origin}
+            "size": human_size(info.disk_bytes), "created": short_time(info.created_at), "from": info.origin}
 
 
 def images_table(images: Iterable[_images.ImageInfo], width: int = 80) -> Table:
@@ -88,7 +88,7 @@ def images_table(images: Iterable[_images.ImageInfo], width: int = 80) -> Table:
 
 
 @app.command(help="List the images under /var/lib/vsnap/images (or under each DIR given, or DIR itself if it is "
-                  "an image): name, path, engine, model, size, created (UTC), and where from (captured, or the registry "
+                  "an image): name, path, engine, model, size (on disk), created (UTC), and where from (captured, or the registry "
                   "reference it was pulled from). Links and entries that are not root's alone are reported on "
                   "stderr, never followed or listed.")
 @error_boundary
