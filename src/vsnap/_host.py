@@ -14,6 +14,7 @@ from typing import Callable
 from importlib import metadata
 from pathlib import Path
 
+from . import _verified as verified
 from ._criu import CriuRunner
 from .protocol.errors import HostNotReady, ImageHostMismatch, VsnapError
 from ._manifest import Dependency, HostFacts, Manifest
@@ -39,6 +40,7 @@ class Check:
     ok: bool
     detail: str
     error: VsnapError | None = None
+    warning: bool = False  # ok, but worth knowing (a host fact that differs without stopping a restore)
 
 
 def run_check(name: str, fn: Callable[[], str]) -> Check:
@@ -146,6 +148,21 @@ def require_host(engine: str) -> None:
             raise check.error
 
 
+# Python distributions besides torch and vLLM (recorded on their own) that each engine loads
+# into the tree: their code is in the image's memory, so a restore must find the same versions.
+ENGINE_PACKAGES: dict[str, tuple[str, ...]] = {
+    "cpu": ("safetensors", "numpy", "fastapi", "starlette", "uvicorn", "pydantic", "pydantic-core"),
+    "vllm": ("transformers", "tokenizers", "safetensors", "numpy", "triton", "cuda-bindings", "fastapi",
+             "starlette", "uvicorn", "pydantic", "pydantic-core"),
+}
+
+
+def engine_packages(engine: str) -> dict[str, str]:
+    """The installed versions of ENGINE_PACKAGES[engine] (packages not installed are left out)."""
+    found = {name: package_version(name) for name in ENGINE_PACKAGES.get(engine, ())}
+    return {name: version for name, version in found.items() if version is not None}
+
+
 def host_facts(engine: str, visible: str | None = None) -> HostFacts:
     """This host's facts; ``visible`` (a CUDA_VISIBLE_DEVICES value of UUIDs) limits the GPUs recorded."""
     runner = CriuRunner.locate()
@@ -167,21 +184,120 @@ def host_facts(engine: str, visible: str | None = None) -> HostFacts:
         torch=package_version("torch"),
         vllm=vllm_version() if engine == "vllm" else None,
         vsnap=vsnap_version(),
+        packages=engine_packages(engine),
     )
 
 
-def dependency_mismatches(dependencies: list[Dependency], *, hash_files: bool) -> list[tuple[str, str, str]]:
+@dataclass(frozen=True)
+class HostDifference:
+    """One recorded fact that differs on this host. ``fatal``: a restore is refused (every fatal
+    difference is named at once); otherwise it is a warning. ``why`` says what the fact changes
+    (docs/image-format.md, "Restoring on another host")."""
+
+    fact: str
+    recorded: str
+    current: str
+    fatal: bool
+    why: str
+
+    @property
+    def line(self) -> str:
+        return f"{self.fact}: image has {self.recorded!r}, host has {self.current!r}"
+
+    @property
+    def triple(self) -> tuple[str, str, str]:
+        return self.fact, self.recorded, self.current
+
+
+WHY_ARCH = "the image's memory is this architecture's machine code"
+WHY_PYTHON = "the interpreter's memory and the binary it maps are in the image"
+WHY_LIBRARY = ("the image holds this library's loaded code and state; what the engine imports after the restore "
+               "would come from another version")
+WHY_VSNAP = ("the engine code frozen in the image is another vsnap's; the engine protocol is the same (checked), "
+             "so they still speak one contract")
+WHY_KERNEL = ("CRIU restores across kernels when `criu check` passes (checked); the GPU driver's kernel module "
+              "is the driver check")
+WHY_CRIU_OLDER = "an older CRIU may not read what a newer one wrote into the image"
+WHY_CRIU_NEWER = "CRIU reads the images of older versions"
+WHY_DRIVER = ("the CUDA checkpoint restores the driver's own state, and the tree maps the driver's user-space "
+              "library: both must be the capturing driver's")
+WHY_GPU = "the GPU memory restored by the CUDA checkpoint is laid out for the captured GPU model"
+WHY_FILE = ("the restored tree maps or reads this file by path (CRIU reopens it): another file would run code "
+            "or weights the image was not captured with")
+
+
+def _version_tuple(text: str) -> tuple[int, ...] | None:
+    parts = text.split(".")
+    return tuple(int(p) for p in parts) if all(p.isdigit() for p in parts) else None
+
+
+def compare_facts(recorded: HostFacts, current: HostFacts, *, engine: str, cuda: bool) -> list[HostDifference]:
+    """Every recorded fact that differs on ``current`` (hostname and GPU UUIDs never count: a
+    restore may run on any host, onto any GPU of the captured model)."""
+    differences = []
+
+    def differ(fact: str, was: str | None, now: str | None, fatal: bool, why: str) -> None:
+        if was != now:
+            differences.append(HostDifference(fact, str(was), str(now), fatal, why))
+
+    differ("arch", recorded.arch, current.arch, True, WHY_ARCH)
+    differ("python", recorded.python, current.python, True, WHY_PYTHON)
+    differ("torch", recorded.torch, current.torch, True, WHY_LIBRARY)
+    if engine == "vllm":
+        differ("vllm", recorded.vllm, current.vllm, True, WHY_LIBRARY)
+    for name, version in sorted(recorded.packages.items()):
+        differ(f"package {name}", version, current.packages.get(name), True, WHY_LIBRARY)
+    differ("vsnap", recorded.vsnap, current.vsnap, False, WHY_VSNAP)
+    differ("kernel", recorded.kernel, current.kernel, False, WHY_KERNEL)
+    if recorded.criu != current.criu and current.criu:
+        was, now = _version_tuple(recorded.criu), _version_tuple(current.criu)
+        older = was is None or now is None or now < was
+        differ("criu", recorded.criu, current.criu, older, WHY_CRIU_OLDER if older else WHY_CRIU_NEWER)
+    if cuda:
+        differ("NVIDIA driver", recorded.driver, current.driver, True, WHY_DRIVER)
+        differ("CUDA driver API", recorded.cuda, current.cuda, True, WHY_DRIVER)
+        want = recorded.gpus[0]["name"] if recorded.gpus else None
+        if want not in {g.get("name") for g in current.gpus}:
+            differences.append(HostDifference("GPU model", str(want),
+                                              ", ".join(str(g.get("name")) for g in current.gpus) or "none",
+                                              True, WHY_GPU))
+    return differences
+
+
+def current_facts(manifest: Manifest) -> HostFacts:
+    """This host's facts as a restore of ``manifest`` compares them (CRIU's version is left empty
+    when CRIU cannot run: the CRIU check reports that)."""
+    try:
+        criu = ".".join(map(str, CriuRunner.locate().version()))
+    except VsnapError:
+        criu = ""
+    driver, cuda, gpus = None, None, []
+    if manifest.engine == "vllm" and manifest.cuda_processes:
+        from ._cuda import gpu_facts
+
+        driver, cuda, gpus = gpu_facts()
+    return HostFacts(hostname=socket.gethostname(), kernel=platform.release(), arch=platform.machine(), criu=criu,
+                     python=platform.python_version(), torch=package_version("torch"),
+                     vllm=vllm_version() if manifest.engine == "vllm" else None, vsnap=vsnap_version(),
+                     driver=driver, cuda=cuda, gpus=gpus, packages=engine_packages(manifest.engine))
+
+
+def dependency_mismatches(dependencies: list[Dependency], *, hash_files: bool, cache_root: Path | None = None,
+                          rehash: bool = False) -> list[tuple[str, str, str]]:
     """Host files the tree depends on that are missing or changed.
 
-    Sizes are always compared; contents (sha256) only when ``hash_files``: `vsnap validate IMAGE`
-    does, restore does not (the oracle, re-run on the reloaded weights, catches changed weights
-    without reading them twice).
+    Sizes are always compared; contents (sha256) when ``hash_files``. With ``cache_root``, a file
+    this host hashed before (at capture, `vsnap validate IMAGE`, an earlier restore) and whose
+    identity did not change since is not read again unless ``rehash`` (validate), and the files
+    that matched are remembered there (_verified).
     """
     from ._image import sha256_file
     from ._trust import untrusted_file
 
     mismatches = []
     checked: set[Path] = set()
+    known = verified.load_dependencies(cache_root) if cache_root is not None and not rehash else {}
+    to_hash: dict[str, tuple[os.stat_result, str]] = {}
     for dep in dependencies:
         path = Path(dep.path)
         problem = untrusted_file(path, checked) if path.exists() else None
@@ -198,35 +314,58 @@ def dependency_mismatches(dependencies: list[Dependency], *, hash_files: bool) -
             mismatches.append((f"file {dep.path}", "a regular file", "something else"))
         elif size != dep.size:
             mismatches.append((f"file {dep.path}", f"{dep.size} bytes", f"{size} bytes"))
-        elif hash_files and dep.sha256 is not None and sha256_file(path) != dep.sha256:
-            mismatches.append((f"file {dep.path}", f"sha256 {dep.sha256[:12]}", "different content"))
-    return mismatches
+        elif hash_files and dep.sha256 is not None and not verified.dependency_verified(known, dep.path, st,
+                                                                                         dep.sha256):
+            to_hash[dep.path] = (st, dep.sha256)
+    if to_hash:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from ._image import HASH_THREADS
+
+        ordered = sorted(to_hash)
+        with ThreadPoolExecutor(max_workers=HASH_THREADS) as pool:
+            digests = dict(zip(ordered, pool.map(lambda p: sha256_file(Path(p)), ordered)))
+        matched = {}
+        for path in ordered:
+            st, want = to_hash[path]
+            if digests[path] != want:
+                mismatches.append((f"file {path}", f"sha256 {want[:12]}", f"sha256 {digests[path][:12]}"))
+            else:
+                matched[path] = (st, want)
+        if matched and cache_root is not None:
+            verified.remember_dependencies(matched, cache_root)
+    order = {f"file {dep.path}": index for index, dep in enumerate(dependencies)}
+    return sorted(mismatches, key=lambda m: order.get(m[0], len(order)))
+
+
+def host_differences(manifest: Manifest, current: HostFacts | None = None, *, hash_files: bool = False,
+                     cache_root: Path | None = None, rehash: bool = False) -> list[HostDifference]:
+    """Every recorded fact of ``manifest`` that differs on this host (``current``: its facts, by
+    default read now), fatal ones first, then warnings; each dependency file that is missing or
+    changed is a fatal difference of its own (see dependency_mismatches)."""
+    current = current or current_facts(manifest)
+    differences = compare_facts(manifest.host, current, engine=manifest.engine,
+                                cuda=manifest.engine == "vllm" and bool(manifest.cuda_processes))
+    differences += [HostDifference(fact, recorded, now, True, WHY_FILE) for fact, recorded, now in
+                    dependency_mismatches(manifest.dependencies, hash_files=hash_files, cache_root=cache_root,
+                                          rehash=rehash)]
+    return sorted(differences, key=lambda d: not d.fatal)
 
 
 def host_mismatches(manifest: Manifest, *, hash_files: bool = False) -> list[tuple[str, str, str]]:
-    """Facts the image depends on that differ on this host (fact, recorded, current)."""
-    recorded = manifest.host
-    current = {
-        "arch": platform.machine(),
-        "python": platform.python_version(),
-        "torch": package_version("torch"),
-        "vllm": vllm_version() if manifest.engine == "vllm" else None,
-    }
-    mismatches = [(fact, str(getattr(recorded, fact)), str(now)) for fact, now in current.items()
-                  if getattr(recorded, fact) != now]
-    if manifest.engine == "vllm" and manifest.cuda_processes:
-        from ._cuda import gpu_facts
-
-        driver, cuda, gpus = gpu_facts()
-        if recorded.driver != driver:
-            mismatches.append(("NVIDIA driver", str(recorded.driver), str(driver)))
-        want = recorded.gpus[0]["name"] if recorded.gpus else None
-        if want not in {g["name"] for g in gpus}:
-            mismatches.append(("GPU model", str(want), ", ".join(g["name"] for g in gpus) or "none"))
-    return mismatches + dependency_mismatches(manifest.dependencies, hash_files=hash_files)
+    """The fatal differences as (fact, recorded, current)."""
+    return [d.triple for d in host_differences(manifest, hash_files=hash_files) if d.fatal]
 
 
-def require_host_matches(manifest: Manifest) -> None:
-    mismatches = host_mismatches(manifest)
-    if mismatches:
-        raise ImageHostMismatch(mismatches)
+def require_host_matches(manifest: Manifest, current: HostFacts | None = None, *,
+                         cache_root: Path | None = None) -> list[HostDifference]:
+    """Refuse (ImageHostMismatch, every fatal difference on its own line) a host the image cannot
+    be restored on; return the differences that do not stop a restore (warnings).
+
+    Dependency files are compared by size and sha256; with ``cache_root`` only the files this host
+    has not hashed since they last changed are read (_verified)."""
+    differences = host_differences(manifest, current, hash_files=True, cache_root=cache_root)
+    fatal = [d for d in differences if d.fatal]
+    if fatal:
+        raise ImageHostMismatch([d.triple for d in fatal])
+    return differences

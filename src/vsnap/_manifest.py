@@ -27,6 +27,7 @@ LOGS_DIR = "logs"
 DUMP_LOG = "logs/dump.log"
 ENGINE_LOG = "logs/engine.log"
 MAX_MANIFEST_BYTES = 16 << 20
+CAPTURED = "captured"  # Manifest.origin of an image made by `vsnap capture`
 
 
 class _Frozen(BaseModel):
@@ -67,6 +68,9 @@ class HostFacts(_Frozen):
     driver: str | None = None
     cuda: str | None = None
     gpus: list[dict[str, Any]] = Field(default_factory=list)
+    # versions of the other Python distributions the engine loads (_host.ENGINE_PACKAGES), those
+    # installed at capture; optional: an image captured before the field compares none of them
+    packages: dict[str, str] = Field(default_factory=dict)
 
 
 class ImageLaunch(_Frozen):
@@ -113,6 +117,11 @@ class Manifest(_Frozen):
     sizes: dict[str, int] = Field(default_factory=dict)
     processes: list[dict[str, Any]] = Field(default_factory=list)  # pid, command, anonymous_bytes at the dump
     files: dict[str, FileEntry]        # every other file of the image, relative path -> size and sha256
+    # where the image came from: "captured" (by `vsnap capture` on this or another host), or the
+    # registry reference `vsnap pull` fetched it from (REGISTRY/REPOSITORY:TAG or ...@sha256:DIGEST).
+    # Optional: images written before the field read as captured. Informational only: nothing is
+    # trusted because of it (`vsnap images` shows it).
+    origin: str = CAPTURED
 
 
 def read_manifest(image_dir: Path) -> Manifest:

@@ -25,9 +25,10 @@ from .protocol.control import Activation, ErrorReport, Standby, Status
 from ._criu import CriuRunner, LazyPagesServer
 from ._criu_options import LazyPagesOptions, RestoreOptions
 from .protocol.errors import (CheckpointError, EngineError, HostNotReady, ImageChanged, InstanceNotStandby,
-                              NothingRunning, OracleMismatch, ProcessTreeError, UnknownInstance, UnsupportedOption)
+                              NothingRunning, OracleMismatch, ProcessTreeError, UnknownInstance, UnsupportedOption,
+                              VsnapError)
 from ._events import ProgressCallback, Timings
-from ._host import check_criu, check_root, require_host_matches
+from ._host import HostDifference, check_criu, check_root, require_host_matches
 from ._cleanup import Cleanup
 from ._image import image_read_lock, verify_files
 from ._manifest import CRIU_DIR, ENGINE_LOG, SHM_DIR, TREE_DIRS, WEIGHTS_DIR, Manifest, read_manifest
@@ -66,6 +67,7 @@ class RestoredServer:
     identity: ProcessIdentity | None = None  # the tree's root, as restored (PID + start time)
     state: str = "serving"  # or "standby": CRIU restored it, its CUDA state still checkpointed, no port
     memory_bytes: int | None = None  # a standby's host memory (the tree's proportional set size)
+    host_warnings: list[str] = field(default_factory=list)  # facts that differ from the capturing host's, not fatal
 
     @property
     def url(self) -> str:
@@ -168,8 +170,21 @@ def verify_image(image_dir: Path, *, rehash: bool = False) -> Manifest:
     """
     manifest = read_manifest(image_dir)
     verify_files(image_dir, manifest, cache_root=VERIFIED_DIR, rehash=rehash)
-    require_host_matches(manifest)
+    require_host_matches(manifest, cache_root=VERIFIED_DIR)
     return manifest
+
+
+def _note_host_differences(differences: list[HostDifference]) -> Callable[..., bool]:
+    """An exit callback that adds to a failed restore's hint the facts in which this host differs
+    from the capturing one without being refused (a CRIU failure on another kernel, say)."""
+    def add_note(exc_type: object, exc: BaseException | None, tb: object) -> bool:
+        if isinstance(exc, VsnapError) and differences:
+            note = (f"this host differs from the capturing one in {', '.join(d.fact for d in differences)} "
+                    "(not refused; vsnap validate IMAGE lists each)")
+            exc.hint = f"{exc.hint}; {note}" if exc.hint else note
+        return False
+
+    return add_note
 
 
 def read_ahead(directory: Path) -> None:
@@ -265,7 +280,9 @@ def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000,
         raise UnsupportedOption("--lazy-pages", "a standby's memory is restored in full before it waits; "
                                                 "restore it without --lazy-pages")
     lazy: LazyPagesServer | None = None
-    with Cleanup() as cleanup, ExitStack() as reading:
+    host_warnings: list[HostDifference] = []
+    with Cleanup() as cleanup, ExitStack() as reading, ExitStack() as noting:
+        noting.push(_note_host_differences(host_warnings))
         clock = CheckClock()
         with timings.phase("verify image"):
             check_root()
@@ -284,8 +301,8 @@ def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000,
             with ThreadPoolExecutor(max_workers=5) as pool:
                 hashing = pool.submit(clock.call, "files", verify_files, image_dir, manifest, cache_root=VERIFIED_DIR,
                                       rehash=rehash)
-                checks = [pool.submit(clock.call, "criu", check_criu), hashing,
-                          pool.submit(clock.call, "host", require_host_matches, manifest)]
+                host_fit = pool.submit(clock.call, "host", require_host_matches, manifest, cache_root=VERIFIED_DIR)
+                checks = [pool.submit(clock.call, "criu", check_criu), hashing, host_fit]
                 if not standby:  # a standby binds no port and takes no GPU until it is activated
                     checks.append(pool.submit(clock.call, "port", check_port_free, host, port))
                 if lazy_pages:
@@ -295,6 +312,7 @@ def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000,
                 for check in checks:
                     check.result()
                 target = choosing.result() if choosing is not None else None
+                host_warnings += host_fit.result()  # differences that do not stop a restore
         prune_dead_runs()
         weights_dir = image_dir / WEIGHTS_DIR
         with timings.phase("prepare host"):
@@ -358,6 +376,7 @@ def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000,
     server.lazy_pages = lazy
     server.timings = dict(timings.seconds)
     server.hashed_files = len(hashing.result())
+    server.host_warnings = [f"{d.line} ({d.why})" for d in host_warnings]
     server.recovery.update(clock.seconds)
     return server
 

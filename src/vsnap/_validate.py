@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .protocol.errors import ImageHostMismatch, VsnapError
-from ._host import Check, host_mismatches, preflight, run_check
+from ._host import Check, host_differences, preflight, run_check
 from ._image import verify_files
 from ._trust import require_trusted_ancestors, require_trusted_model, require_trusted_tree
 from ._verified import VERIFIED_DIR
@@ -92,12 +92,16 @@ def _validate_image(image_dir: Path) -> ValidationReport:
     if not files.ok:
         return report  # an altered manifest's dependency paths are not read either
 
-    def host_fit() -> str:
-        mismatches = host_mismatches(manifest, hash_files=True)
-        if mismatches:
-            raise ImageHostMismatch(mismatches)
-        return f"python {manifest.host.python}, torch {manifest.host.torch}, {len(manifest.dependencies)} files unchanged"
-
-    report.checks.append(run_check("host match", host_fit))
+    # every dependency hashed, and remembered: a restore right after need not read them again
+    differences = host_differences(manifest, hash_files=True, cache_root=VERIFIED_DIR, rehash=True)
+    fatal = [d for d in differences if d.fatal]
+    if fatal:
+        error = ImageHostMismatch([d.triple for d in fatal])
+        report.checks.append(Check("host match", False, error.message, error))
+    else:
+        report.checks.append(Check("host match", True, f"python {manifest.host.python}, torch {manifest.host.torch}, "
+                                                       f"{len(manifest.dependencies)} files unchanged"))
+    report.checks += [Check(f"host {d.fact}", True, f"{d.line}: not refused ({d.why})", warning=True)
+                      for d in differences if not d.fatal]
     report.checks.extend(c for c in preflight(None) if c.name != "unshare")
     return report

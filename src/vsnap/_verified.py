@@ -86,3 +86,51 @@ def remember(image_dir: Path, digests: dict[str, tuple[os.stat_result, str]], ro
 
 def forget(image_dir: Path, root: Path = VERIFIED_DIR) -> None:
     _record_path(image_dir, root).unlink(missing_ok=True)
+
+
+# Host files a restored tree depends on (its mapped libraries, the model's files), by absolute
+# path: hashed at capture, by `vsnap validate IMAGE` or by a restore, and remembered by identity
+# like image files, so a restore checks their sha256 against the manifest without reading them
+# again. One record for every image (the files are the host's, not an image's).
+DEPENDENCIES = "dependencies.json"
+
+
+def load_dependencies(root: Path = VERIFIED_DIR) -> dict[str, dict]:
+    """path -> {"identity": [...], "sha256": ...} of host files hashed before; {} when unknown."""
+    record = root / DEPENDENCIES
+    try:
+        if not (_private(root) and _private(record)):
+            return {}
+        data = json.loads(record.read_text())
+    except (OSError, ValueError):
+        return {}
+    files = data.get("files") if isinstance(data, dict) else None
+    return files if isinstance(files, dict) else {}
+
+
+def dependency_verified(record: dict[str, dict], path: str, st: os.stat_result, sha256: str) -> bool:
+    """``path`` (``st``: its stat, following links) was hashed to ``sha256`` and has not changed since."""
+    return still_verified(record, path, st, sha256)
+
+
+def remember_dependencies(digests: dict[str, tuple[os.stat_result, str]], root: Path = VERIFIED_DIR) -> None:
+    """Record host files just hashed: path -> (their stat, following links, taken before hashing;
+    their sha256). A file whose stat changed meanwhile is not recorded; what was recorded before
+    for other paths is kept (a concurrent writer may drop an entry: it is only hashed again)."""
+    files = load_dependencies(root)
+    for path, (before, digest) in digests.items():
+        ident = identity(before)
+        try:
+            if ident is None or identity(os.stat(path)) != ident:
+                files.pop(path, None)
+                continue
+        except OSError:
+            continue
+        files[path] = {"identity": ident, "sha256": digest}
+    try:
+        root.mkdir(parents=True, mode=0o700, exist_ok=True)
+        if not _private(root):
+            return
+        write_atomic(root, DEPENDENCIES, json.dumps({"files": files}).encode())
+    except OSError:
+        pass  # only a cache

@@ -254,9 +254,11 @@ def test_bounded_load_on_a_restored_server(captured: CapturedImage) -> None:
 
 
 def test_changed_host_files_are_named_and_changed_weights_fail_the_oracle(tmp_path: Path) -> None:
-    """Cross-host readiness: a file the tree depends on differs. A different size is refused before
-    CRIU runs; same-size different content is named by validate, and a restore fails closed on the
-    oracle (exit 7) without ever opening the port."""
+    """Cross-host readiness: a file the tree depends on differs. A different size, or the same size
+    with other content (its sha256), is refused before CRIU runs, by validate and by restore; and
+    if the manifest is made to record the changed file's digest, the restore still fails closed
+    on the oracle (exit 7) without ever opening the port."""
+    from vsnap._image import sha256_file
     from vsnap.engine.adapters.cpu.model import write_model
 
     model = write_model(tmp_path / "model")
@@ -271,16 +273,27 @@ def test_changed_host_files_are_named_and_changed_weights_fail_the_oracle(tmp_pa
     for command in (["validate", image], ["restore", image, "--port", "0"]):
         result = run_vsnap(*command)
         assert result.returncode == 4
-        assert f"file {weights}" in result.stdout + result.stderr
+        assert f"file {weights}: image has '{len(original)} bytes'" in result.stdout + result.stderr
 
     # same size, other values: the final layer norm's scale set to zero
     header_len = int.from_bytes(original[:8], "little")
     begin, end = json.loads(original[8:8 + header_len])["ln_f.weight"]["data_offsets"]
     base = 8 + header_len
     weights.write_bytes(original[:base + begin] + bytes(end - begin) + original[base + end:])
-    result = run_vsnap("validate", image)
-    assert result.returncode == 4
-    assert f"file {weights}" in result.stderr and "different content" in result.stderr
+    changed = sha256_file(weights)
+    for command in (["validate", image], ["restore", image, "--port", "0"]):
+        result = run_vsnap(*command)
+        assert result.returncode == 4, result.stderr
+        assert f"file {weights}: image has 'sha256 " in result.stderr and f"host has 'sha256 {changed[:12]}'" in \
+            result.stderr
+    assert engine_processes(tmp_path / "control" / "deps") == []
+    manifest_path = Path(image) / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    for dep in manifest["dependencies"]:
+        if dep["path"] == str(weights):
+            dep["sha256"] = changed  # the manifest no longer protects the weights: the oracle must
+    manifest_path.write_text(json.dumps(manifest))
+    os.chmod(manifest_path, 0o600)
     result = run_vsnap("restore", image, "--port", "0", "--detach")
     if result.returncode == 0:
         run_vsnap("stop", image)

@@ -156,7 +156,8 @@ def error_boundary(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-from . import activate, bench, capture, inspect, ps, pull, push, restore, stop, validate  # noqa: E402,F401  (registers the commands)
+# registers the commands
+from . import activate, bench, capture, images, inspect, ps, pull, push, restore, rm, stop, validate  # noqa: E402,F401
 
 
 def main() -> None:

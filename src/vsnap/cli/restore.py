@@ -42,6 +42,9 @@ def restore(
                                          standby=standby, on_event=progress)
     finally:
         progress.close()
+    if not as_json:
+        for warning in server.host_warnings:  # before the table: they may explain what follows
+            _render.stderr.print(f"warning: {_render.clean(warning)}", markup=False)
     if standby:
         _report_standby(server, as_json, detach)
     elif as_json:
@@ -51,6 +54,7 @@ def restore(
             "timings": server.timings, "total_s": sum(server.timings.values()), "recovery": server.recovery,
             "weights_source": server.weights_source, "hashed_files": server.hashed_files, "lazy_pages": lazy_pages,
             "engine_log": str(server.engine_log), "restore_log": str(server.restore_log), "detached": detach,
+            "host_warnings": server.host_warnings,
         })
     else:
         _render.stdout.print(_render.timing_table(f"restored {server.image_dir}", server.timings, server.recovery))

@@ -19,7 +19,7 @@ from . import app, error_boundary
 
 def detail(check: Check) -> str:
     """A check's detail for the table; a spec error of several issues says so (they follow the table)."""
-    issues = getattr(check.error, "issues", [])
+    issues = getattr(check.error, "issues", None) or getattr(check.error, "mismatches", [])
     if len(issues) > 1:
         return f"{len(issues)} problems, each listed below"
     return check.detail
@@ -38,7 +38,7 @@ def validate(
     if as_json:
         _render.print_json("validate", {
             "target": report.target, "target_kind": report.kind, "ok": report.ok,
-            "checks": [{"name": c.name, "ok": c.ok, "detail": c.detail,
+            "checks": [{"name": c.name, "ok": c.ok, "warning": c.warning, "detail": c.detail,
                         "error": c.error.to_dict() if c.error else None} for c in report.checks],
         })
     else:
@@ -48,7 +48,8 @@ def validate(
         table.add_column("")
         table.add_column("detail", overflow="fold")
         for c in report.checks:
-            table.add_row(Text(c.name), "[green]ok[/]" if c.ok else "[red]FAIL[/]", Text(_render.clean(detail(c))))
+            verdict = "[red]FAIL[/]" if not c.ok else "[yellow]warn[/]" if c.warning else "[green]ok[/]"
+            table.add_row(Text(c.name), verdict, Text(_render.clean(detail(c))))
         _render.stdout.print(table)
     error = report.first_error
     if error is not None:
