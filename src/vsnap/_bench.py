@@ -436,6 +436,7 @@ def _measure(spec: ModelSpec, own: ModelSpec, dirs: BenchDirs, model_dir: Path, 
         "weights_source": sorted(str(x) for x in sources),
         "processes": captured.manifest.processes,
         "phases": _median_phases(phases),
+        "phases_per_restore": phases,  # the spread of the median, phase by phase
         "floor_s": floor.seconds,
         "floor_inputs": {"image_read_bytes_per_s": floor.read_bytes_per_s, "h2d_bytes_per_s": floor.h2d_bytes_per_s},
         "outputs": {"max_tokens": BENCH_TOKENS, "greedy": True,
