@@ -12,11 +12,12 @@
 #     recorded before the checkpoint (scripts/check_oracle.py), a table, `vsnap stop`.
 # Nothing is left running on any exit path; a second run replaces the image (capture --force).
 set -euo pipefail
+VSNAP=$(command -v "${VSNAP:-vsnap}")
+case $VSNAP in /*) ;; *) VSNAP=$PWD/$VSNAP ;; esac  # make passes .venv-vllm-cpu/bin/vsnap; the servers start in /
+BIN=$(dirname "$VSNAP")
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
 export PYTHONPATH="$REPO/src${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's vsnap, whichever environment runs it
-VSNAP=${VSNAP:-vsnap}
-BIN=$(dirname "$(command -v "$VSNAP")")
 PYTHON=${PYTHON:-$BIN/python}
 SPEC=${SPEC:-examples/vllm-cpu.yaml}
 MODEL=${MODEL:-/var/lib/vsnap/models/tiny-llama}
@@ -101,7 +102,7 @@ URL=$(sed -n 's/^  "url": "\(http:[^"]*\)",$/\1/p' "$WORK/restore.json")  # no P
 [ -n "$URL" ] || { echo "no url in vsnap restore's output: $WORK/restore.json" >&2; exit 1; }
 complete "$URL" "Hello" 1 >/dev/null
 RESTORE_S=$(seconds "$start" "$(now)")
-PHASES_S=$("$PYTHON" -c 'import json, sys; print(f"{json.load(open(sys.argv[1]))[\"total_s\"]:.2f}")' "$WORK/restore.json")
+PHASES_S=$("$PYTHON" -c 'import json, sys; print("%.2f" % json.load(open(sys.argv[1]))["total_s"])' "$WORK/restore.json")
 echo "serving $URL; first completion after $RESTORE_S s (vsnap restore's own phases $PHASES_S s; the rest is"
 echo "starting the vsnap command and the first request)"
 
