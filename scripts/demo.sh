@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# make demo: capture the built-in CPU engine, restore it, ask the restored server for a completion
+# make demo-builtin: capture the built-in CPU engine, restore it, ask the restored server for a completion
 # and compare it with the oracle recorded at capture.
 set -euo pipefail
 VSNAP=${VSNAP:-vsnap}

@@ -12,8 +12,10 @@
   fully cold start, the first warm cold start and the first restore, token ids and logprobs
   compared (restored vs cold is the result; cold vs cold says how far the engine agrees with itself);
 * floor: the image's CRIU bytes over this disk's measured read bandwidth (8 threads, page cache as
-  it is), plus the weight bytes over the slower of that bandwidth and the measured host-to-device
-  bandwidth (vLLM: pinned copies in a CUDA subprocess; cpu: the read bandwidth).
+  it is), plus the weight bytes a restore reads besides CRIU's pages over the slower of that
+  bandwidth and the measured host-to-device bandwidth (vLLM on CUDA: pinned copies in a CUDA
+  subprocess; the cpu engine: the read bandwidth). On vLLM's CPU backend the weights come back
+  inside CRIU's pages: no separate weight bytes, no host-to-device copy.
 
 The spec's own image and control directory are never touched: the bench works in two private
 directories beside them (``.<image name>.bench-XXXX`` next to the image: the bench image and the
@@ -46,7 +48,7 @@ from .protocol.errors import EngineError, VsnapError
 from ._capture import capture_image, end_launched_tree, launch_config, resolve_model, tree_environment
 from ._cleanup import Cleanup
 from ._events import ProgressCallback, Timings
-from ._host import host_facts, require_host
+from ._host import host_facts, require_host, vllm_device
 from ._image import check_parent
 from ._instances import new_instance_dir
 from ._manifest import ENGINE_LOG, WEIGHTS_DIR
@@ -300,6 +302,39 @@ def h2d_bandwidth() -> float | None:
         return None
 
 
+@dataclass(frozen=True)
+class Floor:
+    seconds: float
+    weight_bytes: int  # what a restore reads besides CRIU's pages
+    read_bytes_per_s: float
+    h2d_bytes_per_s: float | None  # measured only where the weights go to a GPU
+
+
+def restore_floor(image_files: list[Path], image_bytes: int, model_dir: Path, vllm_on: str | None, *,
+                  read: Callable[[list[Path]], float] = read_bandwidth,
+                  h2d: Callable[[], float | None] = h2d_bandwidth) -> Floor:
+    """The least a restore can take: bytes moved over measured bandwidths. ``vllm_on`` is
+    ``vllm_device()`` for the vllm engine ("cuda" or "cpu"), None for the cpu engine.
+
+    The weights a restore reads besides CRIU's pages: the image's weights file, else the model's
+    safetensors (vLLM's loader on CUDA, the cpu engine's reload); none on vLLM's CPU backend,
+    where they come back as the tree's own memory. They move at the slower of the read and the
+    host-to-device bandwidth (measured only on CUDA)."""
+    weights_file = [p for p in image_files if p.parent.name == WEIGHTS_DIR]
+    if weights_file:
+        weights = weights_file
+    elif vllm_on == "cpu":
+        weights = []
+    else:
+        weights = sorted(model_dir.rglob("*.safetensors"))
+    weight_bytes = sum(p.stat().st_size for p in weights)
+    disk_bw = read(image_files)
+    h2d_bw = h2d() if vllm_on == "cuda" else None
+    rest_bytes = image_bytes - (weight_bytes if weights_file else 0)  # what CRIU reads
+    seconds = rest_bytes / disk_bw + weight_bytes / min(disk_bw, h2d_bw or disk_bw)
+    return Floor(seconds, weight_bytes, disk_bw, h2d_bw)
+
+
 def _median_phases(runs: list[dict[str, float]]) -> dict[str, float]:
     keys = [k for k in runs[0] if all(k in r for r in runs)]
     return {k: statistics.median(r[k] for r in runs) for k in keys}
@@ -416,16 +451,8 @@ def _measure(spec: ModelSpec, own: ModelSpec, dirs: BenchDirs, model_dir: Path, 
         stop_instance(doc["instance"])
     standbys = _measure_standby(image, spec, runs, started, timings, notes) if standby else None
     image_files = [captured.image_dir / rel for rel in captured.manifest.files]
-    weights_file = [p for p in image_files if p.parent.name == WEIGHTS_DIR]
-    model_weights = [p for p in model_dir.rglob("*.safetensors")]
-    # what a restore moves to the GPU: the image's weights file, else the model's safetensors
-    weights = weights_file or model_weights
-    weight_bytes = sum(p.stat().st_size for p in weights)
-    disk_bw = read_bandwidth(image_files)
-    h2d_bw = h2d_bandwidth() if spec.engine == "vllm" else None
-    # CRIU reads the rest of the image; the weights stream at the slower of reading and copying
-    rest_bytes = captured.image_bytes - (weight_bytes if weights_file else 0)
-    floor = rest_bytes / disk_bw + weight_bytes / min(disk_bw, h2d_bw or disk_bw)
+    vllm_on = vllm_device() if spec.engine == "vllm" else None
+    floor = restore_floor(image_files, captured.image_bytes, model_dir, vllm_on)
     facts = host_facts(spec.engine)
     cold_median = statistics.median(warm)
     restore_median = statistics.median(restores)
@@ -437,6 +464,7 @@ def _measure(spec: ModelSpec, own: ModelSpec, dirs: BenchDirs, model_dir: Path, 
         "lazy_pages": lazy_pages,
         "model": f"{spec.name} ({model_dir})",
         "gpu": facts.gpus[0]["name"] if facts.gpus else None,
+        "device": "cuda" if vllm_on == "cuda" else "cpu",  # vllm on "cpu": vLLM's CPU backend
         "versions": {"driver": facts.driver, "cuda": facts.cuda, "kernel": facts.kernel, "criu": facts.criu,
                      "python": facts.python, "torch": facts.torch, "vllm": facts.vllm, "vsnap": facts.vsnap},
         "runs": runs,
@@ -450,12 +478,13 @@ def _measure(spec: ModelSpec, own: ModelSpec, dirs: BenchDirs, model_dir: Path, 
         "capture_s": capture_s,
         "capture_phases": captured.timings,
         "image_bytes": captured.image_bytes,
-        "weight_bytes": weight_bytes,
+        "weight_bytes": floor.weight_bytes,
         "weights_source": sorted(str(x) for x in sources),
         "processes": captured.manifest.processes,
         "phases": _median_phases(phases),
-        "floor_s": floor,
-        "floor_inputs": {"image_read_bytes_per_s": disk_bw, "h2d_bytes_per_s": h2d_bw},
+        "phases_per_restore": phases,  # the spread of the median, phase by phase
+        "floor_s": floor.seconds,
+        "floor_inputs": {"image_read_bytes_per_s": floor.read_bytes_per_s, "h2d_bytes_per_s": floor.h2d_bytes_per_s},
         "outputs": {"max_tokens": BENCH_TOKENS, "greedy": True,
                     "restored_vs_cold": {"expected": "warm cold start #1", "actual": "restore #1",
                                          **compare_outputs(cold[1].outputs, restored_outputs)},
@@ -501,6 +530,10 @@ def write_record(record: dict[str, Any], out_dir: Path, stem: str) -> Path:
     directory that is root's alone (a link planted at a record's name is replaced, never followed)."""
     make_trusted_dirs(out_dir)
     control.write_atomic(out_dir, f"{stem}.json", (json.dumps(record, indent=2) + "\n").encode())
+    floor_label = ("image read + weights to device" if record["floor_inputs"].get("h2d_bytes_per_s")
+                   else "image and weights read" if record["weight_bytes"] else "image read")
+    weights_read = (f"{record['weight_bytes'] / 1e9:.2f} GB read besides CRIU's pages" if record["weight_bytes"]
+                    else "inside CRIU's pages")
     lines = [f"# {record['model']} on {record['gpu'] or 'CPU'} ({record['date']})", "",
              f"`{record['command']}`", "", "| | seconds |", "|---|---|",
              f"| cold start to first token, fully cold | {record['cold_start_fully_cold_s']:.2f} |",
@@ -509,8 +542,8 @@ def write_record(record: dict[str, Any], out_dir: Path, stem: str) -> Path:
              f"({record['restore_spread_s'][0]:.2f} to {record['restore_spread_s'][1]:.2f}) |",
              f"| speedup over the warm cold start | {record['speedup_vs_warm_cold_start']:.1f}x |",
              f"| capture | {record['capture_s']:.2f} |",
-             f"| floor (image read + weights to device) | {record['floor_s']:.2f} |", "",
-             f"Image {record['image_bytes'] / 1e9:.2f} GB, weights {record['weight_bytes'] / 1e9:.2f} GB "
+             f"| floor ({floor_label}) | {record['floor_s']:.2f} |", "",
+             f"Image {record['image_bytes'] / 1e9:.2f} GB, weights {weights_read} "
              f"(restored from: {', '.join(record.get('weights_source') or ['?'])}).", "",
              "Restore phases (medians):", "", "| phase | seconds |", "|---|---|"]
     lines += [f"| {k} | {v:.3f} |" for k, v in record["phases"].items()]

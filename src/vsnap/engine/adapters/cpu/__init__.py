@@ -1,4 +1,4 @@
-"""The built-in CPU engine: a small real engine for machines without a GPU (CI, ``make demo``).
+"""The built-in CPU engine: a small real engine for machines without a GPU (CI, ``make demo-builtin``).
 
 The same process shape as vLLM, so that a capture and restore exercise what a vLLM tree has:
 
