@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from .. import _pull
+
 from . import _render
 from . import app, error_boundary
 
@@ -24,12 +24,15 @@ def pull(
                                                       "complete"),
     insecure: bool = typer.Option(False, "--insecure", help="speak plain http to a registry that is not on "
                                                             "127.0.0.1 or localhost (those always get http)"),
-    jobs: int = typer.Option(_pull.DEFAULT_JOBS, "--jobs", min=1, max=64, help="blobs fetched at once"),
+    jobs: Optional[int] = typer.Option(None, "--jobs", min=1, max=64, help="blobs fetched at once (default: 4)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON document on stdout"),
 ) -> None:
+    from .. import _pull  # here, not at import: every vsnap command loads every command module
+
     progress = _render.PhaseProgress()
     try:
-        result = _pull.pull_image(ref, to=to, force=force, insecure=insecure, jobs=jobs, on_event=progress)
+        result = _pull.pull_image(ref, to=to, force=force, insecure=insecure, on_event=progress,
+                                   **({'jobs': jobs} if jobs else {}))
     finally:
         progress.close()
     if as_json:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 import typer
 
-from .. import _push
+
 from . import _render
 from . import app, error_boundary
 
@@ -19,12 +20,15 @@ def push(
     ref: str = typer.Argument(..., help="REGISTRY/REPOSITORY[:TAG] (TAG defaults to latest)"),
     insecure: bool = typer.Option(False, "--insecure", help="speak plain http to a registry that is not on "
                                                             "127.0.0.1 or localhost (those always get http)"),
-    jobs: int = typer.Option(_push.DEFAULT_JOBS, "--jobs", min=1, max=64, help="blobs sent at once"),
+    jobs: Optional[int] = typer.Option(None, "--jobs", min=1, max=64, help="blobs sent at once (default: 4)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON document on stdout"),
 ) -> None:
+    from .. import _push  # here, not at import: every vsnap command loads every command module
+
     progress = _render.PhaseProgress()
     try:
-        result = _push.push_image(image, ref, insecure=insecure, jobs=jobs, on_event=progress)
+        result = _push.push_image(image, ref, insecure=insecure, on_event=progress,
+                                   **({'jobs': jobs} if jobs else {}))
     finally:
         progress.close()
     seconds = sum(result.timings.values())
