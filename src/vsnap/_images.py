@@ -32,6 +32,7 @@ from typing import Callable, Iterator, Sequence
 from . import _verified as verified
 from ._image import _flock, _open_lock
 from ._instances import InstanceRecord, running_instances
+from ._origin import read_origin
 from ._manifest import CRIU_DIR, LOGS_DIR, MANIFEST, MAX_MANIFEST_BYTES, SHM_DIR, WEIGHTS_DIR, read_manifest
 from ._spec import DEFAULT_IMAGE_ROOT, require_safe_directory
 from ._trust import require_inside, require_trusted_ancestors, require_trusted_tree
@@ -212,7 +213,8 @@ def inspect_image(image_dir: Path) -> ImageInfo:
         disk += st.st_blocks * 512
     return ImageInfo(path=str(image_dir), name=manifest.name, engine=manifest.engine,
                      model=manifest.launch.model, size_bytes=total, disk_bytes=disk,
-                     files=len(manifest.files) + 1, created_at=manifest.created_at, origin=manifest.origin,
+                     files=len(manifest.files) + 1, created_at=manifest.created_at,
+                     origin=read_origin(image_dir) or manifest.origin,
                      format_version=manifest.format_version)
 
 

@@ -31,6 +31,7 @@ from ._events import ProgressCallback, Timings, failpoint
 from ._image import (check_parent, image_lock, image_read_lock, piece_hashes, publish, require_replaceable,
                      require_trust, verify_files)
 from ._manifest import MANIFEST, FileEntry, Manifest, read_manifest
+from ._origin import record_origin
 from ._oci import (ALTERED_HINT, INCOMING, MAX_OCI_MANIFEST_BYTES, OCI_MANIFEST, Artifact, Layer, Reference,
                    match_manifest, parse_artifact, parse_reference, sha256_digest)
 from ._registry import RegistryClient
@@ -125,6 +126,7 @@ def pull_image(reference: str | Reference, *, to: Path | None = None, force: boo
             verified.remember(image_dir, {rel: (os.lstat(image_dir / rel), entry.digest)
                                           for rel, entry in manifest.files.items()})
             verified.forget(staging)
+            record_origin(image_dir, str(artifact.reference))  # `vsnap images`: where it came from
     return PullResult(image_dir, str(artifact.reference), artifact.reference.digest or "", len(manifest.files),
                       fetched.downloaded, fetched.reused, fetched.bytes_received,
                       sum(e.size for e in manifest.files.values()), staging, dict(timings.seconds))

@@ -104,7 +104,10 @@ def test_pull_to_another_path_restores_with_the_oracle(pushed: Pushed) -> None:
         assert pulled == manifest
         assert target.stat().st_mode & 0o777 == 0o700
         assert all((target / rel).stat().st_mode & 0o777 == 0o600 for rel in pulled.files)
-        assert sorted(p.name for p in target.parent.iterdir() if not p.name.endswith(".lock")) == ["cpu-oci"]
+        assert sorted(p.name for p in target.parent.iterdir() if not p.name.endswith(".lock")) == \
+            [".cpu-oci.origin", "cpu-oci"]
+        [listed] = vsnap_json("images", str(target.parent))["images"]
+        assert listed["origin"] == doc["reference"]  # where it came from, pinned by digest
         verify_files(target, pulled)  # every file hashed again, the trust model with it
         server = restore_image(target, port=0)
         try:

@@ -1,0 +1,24 @@
+"""The record of where a pulled image came from is believed only while it matches the image."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from vsnap._origin import origin_name, read_origin, record_origin
+
+
+def test_origin_is_shown_only_for_the_manifest_it_was_recorded_with(tmp_path: Path) -> None:
+    parent = tmp_path / "images"
+    image = parent / "llama"
+    image.mkdir(parents=True, mode=0o700)
+    (image / "manifest.json").write_bytes(b'{"pulled": 1}')
+    assert read_origin(image) is None  # captured: no record
+    record_origin(image, "registry.example/llama@sha256:" + "a" * 64)
+    assert read_origin(image) == "registry.example/llama@sha256:" + "a" * 64
+    (image / "manifest.json").write_bytes(b'{"captured again": 1}')
+    assert read_origin(image) is None  # a stale record does not mislabel a newer image
+    record = parent / origin_name(image)
+    record.unlink()
+    os.symlink("/etc/passwd", record)
+    assert read_origin(image) is None  # never through a link
