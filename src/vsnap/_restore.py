@@ -7,6 +7,7 @@ kills the tree, so nothing is left running.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import shutil
@@ -15,10 +16,10 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 from .protocol import control
 from .protocol.control import Activation, ErrorReport, Standby, Status
@@ -45,6 +46,7 @@ from ._trust import copy_no_follow, make_trusted_dirs, require_trusted_ancestors
 RESTORE_LOG = "restore.log"
 LAZY_PAGES_LOG = "lazy-pages.log"
 RESTORE_PID = "restore.pid"
+ACTIVATION_LOCK = "activation.lock"  # in a standby's instance directory, held by `vsnap activate`
 RECOVER_TIMEOUT_S = 600.0
 T = TypeVar("T")
 
@@ -454,7 +456,7 @@ def activate_instance(instance_id: str, *, host: str = "127.0.0.1", port: int = 
     """
     timings = Timings(on_event)
     clock = CheckClock()
-    with Cleanup() as cleanup, ExitStack() as reading:
+    with Cleanup() as cleanup, ExitStack() as held, ExitStack() as reading:
         with timings.phase("verify image"):
             check_root()
             record = standby_record(instance_id)
@@ -463,11 +465,16 @@ def activate_instance(instance_id: str, *, host: str = "127.0.0.1", port: int = 
                                        phase="activate")
             identity = record.tree.identity
             work, image_dir = Path(record.instance_dir), Path(record.image)
+            held.enter_context(activation_lock(work, instance_id))
+            record = standby_record(instance_id)  # again, under the lock: another activation may have won
             require_trusted_tree(image_dir)
             reading.enter_context(image_read_lock(image_dir))
             manifest = read_manifest(image_dir)
             if manifest_digest(manifest) != record.image_digest:
                 raise ImageChanged(image_dir, instance_id)
+            if gpu is not None and not manifest.cuda_processes:
+                raise UnsupportedOption("--gpu", f"--gpu {gpu}: {image_dir} holds no CUDA state "
+                                                 f"(engine {manifest.engine}); there is no GPU to choose")
             clock.mark("trust_and_manifest")
             with ThreadPoolExecutor(max_workers=3) as pool:
                 checks = [pool.submit(clock.call, "files", verify_files, image_dir, manifest, cache_root=VERIFIED_DIR),
@@ -476,9 +483,6 @@ def activate_instance(instance_id: str, *, host: str = "127.0.0.1", port: int = 
                 for check in checks:
                     check.result()
                 target = choosing.result() if choosing is not None else None
-            if gpu is not None and not manifest.cuda_processes:
-                raise UnsupportedOption("--gpu", f"--gpu {gpu}: {image_dir} holds no CUDA state "
-                                                 f"(engine {manifest.engine}); there is no GPU to choose")
             if not is_same(identity):
                 raise ProcessTreeError(identity.pid, f"standby {instance_id}'s tree is gone", phase="activate")
             activating = record.model_copy(update={"state": "activating", "activator": this_process()})
@@ -493,6 +497,23 @@ def activate_instance(instance_id: str, *, host: str = "127.0.0.1", port: int = 
     server.timings = dict(timings.seconds)
     server.recovery.update(clock.seconds)
     return server
+
+
+@contextmanager
+def activation_lock(work: Path, instance_id: str) -> Iterator[None]:
+    """One activation of a standby at a time: a second would restore its CUDA state again, fail,
+    and end the tree the first is bringing up. An flock on a file in the instance's own private
+    directory (made by vsnap, opened without following links), held until the activation returns."""
+    control.check_private_dir(work)
+    fd = os.open(work / ACTIVATION_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise InstanceNotStandby(instance_id, "being activated by another vsnap") from None
+        yield
+    finally:
+        os.close(fd)
 
 
 def manifest_digest(manifest: Manifest) -> str:

@@ -129,3 +129,22 @@ def test_a_standby_refuses_to_activate_from_an_image_captured_again(image: Path,
     finally:
         run_vsnap("stop", waiting["instance"])
     assert engine_processes(Path(manifest.control_dir)) == []
+
+
+def test_two_activations_of_one_standby_one_serves_the_other_is_refused(image: Path) -> None:
+    """The loser must not touch the tree the winner brings up (its failure would end it)."""
+    manifest = read_manifest(image)
+    waiting = json_of(run_vsnap("restore", str(image), "--standby", "--detach", "--json"))
+    try:
+        racers = [subprocess.Popen([VSNAP, "activate", waiting["instance"], "--port", "0", "--json"],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+        results = [(r.wait(timeout=300), r.communicate()[0]) for r in racers]
+        assert sorted(code for code, _ in results) == [0, 10], results
+        served = json.loads(next(out for code, out in results if code == 0))
+        refused = json.loads(next(out for code, out in results if code == 10))
+        assert "not a standby" in refused["message"]
+        assert_serves_oracle(served["url"], manifest.oracle, manifest.launch.oracle_top_k)
+        assert [r.state for r in records(image)] == ["serving"]
+    finally:
+        run_vsnap("stop", waiting["instance"])
+    assert engine_processes(Path(manifest.control_dir)) == []
