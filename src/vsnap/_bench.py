@@ -396,7 +396,8 @@ def run_cli(args: list[str], started: list[str]) -> dict[str, Any]:
         raise EngineError("bench", str(doc.get("error", "CommandFailed")),
                           f"vsnap {args[0]} exited {out.returncode}: {doc.get('message') or out.stderr.strip()[-300:]}",
                           log_path=doc.get("log_path"))
-    # what the command cost beyond its phases: the interpreter's start, imports, printing, exit
+    # what the command cost beyond its phases: the interpreter's start and imports (the command's own
+    # command_start_s), then printing and exit
     doc["cli_overhead_s"] = wall - float(doc.get("total_s") or 0.0)
     return doc
 
@@ -412,7 +413,7 @@ def _phases(doc: dict[str, Any]) -> dict[str, float]:
     """A `vsnap restore/activate --json` document's phases and the engine's own breakdown."""
     return {**doc.get("timings", {}), **{k if k.startswith("verify_") else f"engine {k}": v
                                          for k, v in (doc.get("recovery") or {}).items() if k.endswith("_s")},
-            "cli_overhead_s": doc["cli_overhead_s"]}
+            "cli_overhead_s": doc["cli_overhead_s"], "cli_start_s": float(doc.get("command_start_s") or 0.0)}
 
 
 def _measure(spec: ModelSpec, own: ModelSpec, dirs: BenchDirs, model_dir: Path, runs: int, cold_runs: int | None,

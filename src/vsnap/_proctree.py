@@ -139,6 +139,15 @@ def tree_pids(root_pid: int) -> list[int]:
         return []
 
 
+def seconds_since_start() -> float:
+    """How long this process has run (from the kernel's record of its start): what a command spent
+    before its first phase (the interpreter's start and the imports)."""
+    fields = _stat_fields(os.getpid())
+    assert fields is not None  # this process is alive
+    started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # since boot, in the clock /proc counts in
+    return time.clock_gettime(time.CLOCK_BOOTTIME) - started
+
+
 def tree_memory_bytes(root_pid: int) -> int:
     """The host memory the tree holds: the sum of its processes' proportional set sizes (shared
     pages counted once across them, /proc/PID/smaps_rollup)."""

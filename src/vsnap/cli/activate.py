@@ -23,6 +23,9 @@ def activate(
     as_json: bool = typer.Option(False, "--json", help="print one JSON document on stdout"),
 ) -> None:
     from .. import _restore  # here, not at import: every vsnap command loads every command module
+    from .._proctree import seconds_since_start
+
+    started_s = seconds_since_start()  # the interpreter's start and the imports, before any phase
     progress = _render.PhaseProgress()
     try:
         server = _restore.activate_instance(instance, host=host, port=port, gpu=gpu, on_event=progress)
@@ -32,7 +35,8 @@ def activate(
         _render.print_json("activate", {
             "pid": server.pid, "url": server.url, "host": server.host, "port": server.port,
             "instance": server.instance_id, "instance_dir": str(server.instance_dir), "gpu": server.gpu,
-            "timings": server.timings, "total_s": sum(server.timings.values()), "recovery": server.recovery,
+            "timings": server.timings, "total_s": sum(server.timings.values()), "command_start_s": started_s,
+            "recovery": server.recovery,
             "weights_source": server.weights_source, "engine_log": str(server.engine_log),
         })
         return

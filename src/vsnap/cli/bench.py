@@ -13,7 +13,7 @@ from . import app, error_boundary
 def is_breakdown(key: str) -> bool:
     """A record's phase key that is not a phase of its own (the engine's split of recover, each
     verify check side by side, the command's cost beyond its phases): shown apart, not summed."""
-    return key.startswith(("engine ", "verify_")) or key == "cli_overhead_s"
+    return key.startswith(("engine ", "verify_")) or key in ("cli_overhead_s", "cli_start_s")
 
 
 @app.command(help="Measure, in one run: cold start to first token (fully cold and with a warm compile cache), "

@@ -36,6 +36,9 @@ def restore(
 ) -> None:
     from .. import _restore  # here, not at import: every vsnap command loads every command module
     from ..protocol.errors import EngineError
+    from .._proctree import seconds_since_start
+
+    started_s = seconds_since_start()  # the interpreter's start and the imports, before any phase
     progress = _render.PhaseProgress()
     try:
         server = _restore.restore_image(image, host=host, port=port, gpu=gpu, rehash=rehash, lazy_pages=lazy_pages,
@@ -46,12 +49,13 @@ def restore(
         for warning in server.host_warnings:  # before the table: they may explain what follows
             _render.stderr.print(f"warning: {_render.clean(warning)}", markup=False)
     if standby:
-        _report_standby(server, as_json, detach)
+        _report_standby(server, as_json, detach, started_s)
     elif as_json:
         _render.print_json("restore", {
             "pid": server.pid, "url": server.url, "host": server.host, "port": server.port,
             "instance": server.instance_id, "instance_dir": str(server.instance_dir), "gpu": server.gpu,
-            "timings": server.timings, "total_s": sum(server.timings.values()), "recovery": server.recovery,
+            "timings": server.timings, "total_s": sum(server.timings.values()), "command_start_s": started_s,
+            "recovery": server.recovery,
             "weights_source": server.weights_source, "hashed_files": server.hashed_files, "lazy_pages": lazy_pages,
             "engine_log": str(server.engine_log), "restore_log": str(server.restore_log), "detached": detach,
             "host_warnings": server.host_warnings,
@@ -76,13 +80,13 @@ def restore(
     raise EngineError("serve", "EngineExited", "the server exited", log_path=server.engine_log)
 
 
-def _report_standby(server: _restore.RestoredServer, as_json: bool, detach: bool) -> None:
+def _report_standby(server: _restore.RestoredServer, as_json: bool, detach: bool, started_s: float) -> None:
     memory = server.memory_bytes or 0
     if as_json:
         _render.print_json("restore", {
             "pid": server.pid, "state": "standby", "instance": server.instance_id,
             "instance_dir": str(server.instance_dir), "timings": server.timings, "total_s": sum(server.timings.values()),
-            "memory_bytes": memory, "hashed_files": server.hashed_files, "engine_log": str(server.engine_log),
+            "command_start_s": started_s, "memory_bytes": memory, "hashed_files": server.hashed_files, "engine_log": str(server.engine_log),
             "restore_log": str(server.restore_log), "detached": detach,
         })
         return
