@@ -114,20 +114,36 @@ def launch_tree(control_dir: Path, instance_dir: Path, shm_dir: Path, env: dict[
     finally:
         os.close(log)
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            children = psutil.Process(process.pid).children()
-        except psutil.NoSuchProcess:
-            children = []
-        identity = identify(children[0].pid) if children else None
-        if identity is not None:
-            return LaunchedTree(process, identity.pid, identity)
-        if process.poll() is not None:
-            raise ProcessTreeError(process.pid, f"unshare exited with {process.returncode} before the engine started",
-                                   phase="launch", log_path=log_path)
-        time.sleep(0.01)
-    process.kill()
-    raise ProcessTreeError(process.pid, "the engine root did not appear", phase="launch", log_path=log_path)
+    try:
+        while time.monotonic() < deadline:
+            try:
+                children = psutil.Process(process.pid).children()
+            except psutil.NoSuchProcess:
+                children = []
+            identity = identify(children[0].pid) if children else None
+            if identity is not None:
+                return LaunchedTree(process, identity.pid, identity)
+            if process.poll() is not None:
+                raise ProcessTreeError(process.pid, f"unshare exited with {process.returncode} before the engine "
+                                                    "started", phase="launch", log_path=log_path)
+            time.sleep(0.01)
+        raise ProcessTreeError(process.pid, "the engine root did not appear", phase="launch", log_path=log_path)
+    except BaseException:  # a timeout, or Ctrl-C / SIGHUP before the caller holds the tree: end it here
+        _abandon_launch(process)
+        raise
+
+
+def _abandon_launch(unshare: subprocess.Popen[bytes]) -> None:
+    """End what launch_tree started: the namespace's PID 1 (unshare's own child: its PID cannot be
+    reused before unshare reaps it), then unshare. Bounded waits."""
+    try:
+        for child in psutil.Process(unshare.pid).children():
+            kill_tree(child.pid)
+    except psutil.NoSuchProcess:
+        pass
+    if unshare.poll() is None:
+        unshare.kill()
+    unshare.wait(timeout=30)
 
 
 def tree_pids(root_pid: int) -> list[int]:

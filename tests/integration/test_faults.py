@@ -181,3 +181,30 @@ def test_two_captures_into_one_image_path(tmp_path: Path) -> None:
     assert first.wait(timeout=300) == 0
     assert second.returncode == 4
     assert "another vsnap capture is writing" in second.stderr
+
+
+def test_an_interrupt_while_the_tree_starts_leaves_no_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C or SIGHUP can arrive after unshare started the namespace but before launch_tree
+    returned the tree to its caller (who would end it): launch_tree ends it itself. Seen in CI
+    under load: a SIGHUP'd capture left its engine running."""
+    from vsnap import _proctree
+
+    control_dir, instance_dir, shm_dir = tmp_path / "ctl", tmp_path / "ctl.instances" / "i", tmp_path / "shm"
+    for directory in (control_dir, instance_dir, shm_dir):
+        directory.mkdir(parents=True, mode=0o700)
+    real_identify = _proctree.identify
+    interrupted: list[int] = []
+
+    def identify(pid: int):  # type: ignore[no-untyped-def]
+        if interrupted:  # once: the cleanup identifies what it ends
+            return real_identify(pid)
+        deadline = time.monotonic() + 30  # until the engine itself runs in the new namespace
+        while not engine_processes(control_dir) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        interrupted.append(pid)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_proctree, "identify", identify)
+    with pytest.raises(KeyboardInterrupt):
+        _proctree.launch_tree(control_dir, instance_dir, shm_dir, dict(os.environ))
+    assert interrupted and engine_processes(control_dir, launching=True) == []
