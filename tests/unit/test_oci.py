@@ -394,3 +394,36 @@ def test_pushed_blobs_are_remembered_until_the_file_changes(tmp_path: Path) -> N
     assert PushedBlobs(image, root).known("criu/pages-1.img", os.lstat(page), "zstd") == layer
     os.chmod(root, 0o777)  # a record others could have written is no record
     assert PushedBlobs(image, root).known("criu/pages-1.img", os.lstat(page), "zstd") is None
+
+
+def test_a_docker_config_anyone_else_could_write_is_refused(tmp_path: Path) -> None:
+    """Hostile pass 9: DOCKER_CONFIG (or HOME) pointing into another user's directory let that user
+    name a credential helper, `x/../pwn`, that root ran as ./docker-credential-x/../pwn."""
+    home = tmp_path / "mallory"
+    home.mkdir()
+    config = home / "config.json"
+    config.write_text(json.dumps({"auths": {}}))
+    assert read_docker_config(config) == {"auths": {}}  # root's alone: read
+    os.chown(home, 65534, 65534)
+    with pytest.raises(RegistryUnavailable, match="is not root's alone .*owned by uid 65534"):
+        read_docker_config(config)
+    os.chown(home, 0, 0)
+    os.chown(config, 65534, 65534)
+    with pytest.raises(RegistryUnavailable, match="is owned by uid 65534, not by root"):
+        read_docker_config(config)
+    os.chown(config, 0, 0)
+    os.chmod(config, 0o666)
+    with pytest.raises(RegistryUnavailable, match="has mode 0666"):
+        read_docker_config(config)
+    os.chmod(config, 0o644)
+    link = tmp_path / "link.json"
+    link.symlink_to(config)
+    os.lchown(link, 65534, 65534)
+    with pytest.raises(RegistryUnavailable, match="is not root's alone"):
+        read_docker_config(link)
+    for bad in ({"credsStore": "x/../pwn"}, {"credHelpers": {"reg.io": "../../tmp/evil"}}, {"credsStore": ["x"]}):
+        config.write_text(json.dumps(bad))
+        with pytest.raises(RegistryUnavailable, match="names the credential helper"):
+            read_docker_config(config)
+    config.write_text(json.dumps({"credsStore": "desktop", "credHelpers": {"reg.io": "ecr-login"}}))
+    assert read_docker_config(config)["credsStore"] == "desktop"
