@@ -166,6 +166,16 @@ def test_two_layers_one_title_refused() -> None:
         parse_artifact(encode(doc), REF)
 
 
+def test_a_file_and_a_directory_of_one_name_refused_before_any_blob() -> None:
+    """Hostile pass 9: titles `logs` and `logs/engine.log` met only at the rename of whichever blob
+    came second: a traceback (IsADirectoryError) when the file's came last."""
+    doc = document()
+    first = doc["layers"][0]["annotations"][TITLE]
+    doc["layers"][1]["annotations"][TITLE] = first.split("/")[0]
+    with pytest.raises(ImageUntrusted, match="names a file and a directory of the same name"):
+        parse_artifact(encode(doc), REF)
+
+
 def test_oversized_manifest_and_wrong_digest_refused() -> None:
     with pytest.raises(ArtifactError, match="over 4 MiB"):
         parse_artifact(b" " * (MAX_OCI_MANIFEST_BYTES + 1), REF)
