@@ -437,3 +437,16 @@ def test_a_docker_config_anyone_else_could_write_is_refused(tmp_path: Path) -> N
             read_docker_config(config)
     config.write_text(json.dumps({"credsStore": "desktop", "credHelpers": {"reg.io": "ecr-login"}}))
     assert read_docker_config(config)["credsStore"] == "desktop"
+
+
+def test_a_push_of_another_users_directory_writes_nothing_beside_it(tmp_path: Path) -> None:
+    """Hostile pass 9: `vsnap push ~mallory/img` made root's `.img.readers.lock` in mallory's
+    directory and parsed her manifest.json before the trust model refused the image."""
+    from tests.unit.fake_image import make_image
+    from vsnap._push import push_image
+
+    image = make_image(tmp_path / "mallory" / "img")
+    os.chown(image.parent, 65534, 65534)
+    with pytest.raises(ImageUntrusted, match="owned by uid 65534"):
+        push_image(image, "127.0.0.1:9/vsnap/x:v1")
+    assert sorted(p.name for p in image.parent.iterdir()) == ["img"]
