@@ -148,3 +148,34 @@ def test_standby_records_follow_their_tree_and_unreadable_records_are_kept(tmp_p
     running, gone = instance_records()
     assert [r.id for r in running] == ["r-2"] and gone == []
     assert foreign.exists()
+
+
+def test_stopping_an_activation_whose_vsnap_died_does_not_wait(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hostile pass 9: a `vsnap activate` killed with SIGKILL left its standby "activating"; `vsnap stop`
+    then waited the whole STOP_WAIT_S (60 s) for an answer no process would give."""
+    import subprocess
+
+    from vsnap._instances import ProcessRef, running_instances
+    from vsnap._restore import stop_server
+
+    monkeypatch.setattr(_instances, "RUNTIME_DIR", tmp_path / "run")
+    me = this_process()
+    dead = subprocess.Popen(["sleep", "60"])  # the activator, then SIGKILLed
+    dead_ref = ProcessRef(pid=dead.pid, start_time=_instances.identify(dead.pid).start_time, boot_id=me.boot_id)
+    dead.kill()
+    dead.wait()
+    tree = subprocess.Popen(["sleep", "60"])  # the half-activated standby's tree (our child here)
+    try:
+        tree_ref = ProcessRef(pid=tree.pid, start_time=_instances.identify(tree.pid).start_time, boot_id=me.boot_id)
+        directory = tmp_path / "ctl.instances" / "r-0000000f"
+        directory.mkdir(parents=True, mode=0o700)
+        os.chmod(directory.parent, 0o700)
+        register(InstanceRecord(id="r-0000000f", image="/i", name="n", state="activating", owner=me, tree=tree_ref,
+                                activator=dead_ref, instance_dir=str(directory), started_at=time.time()))
+        started = time.monotonic()
+        stop_server(running_instances()[0])
+        assert time.monotonic() - started < 10
+        assert tree.wait(timeout=10) is not None and running_instances() == []
+    finally:
+        tree.kill()
+        tree.wait()
