@@ -13,6 +13,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import stat
 import tempfile
@@ -192,19 +193,30 @@ def make_staging(image_dir: Path) -> Path:
     return Path(tempfile.mkdtemp(prefix=f".{image_dir.name}.staging-", dir=image_dir.parent))
 
 
+def leftovers(image_dir: Path, suffix: str) -> list[Path]:
+    """The entries beside ``image_dir`` named ``.NAME`` + a match of the regex ``suffix``: NAME
+    matched literally (never as a glob: an image named `a*` or `[ab]` must not select the staging
+    directories of images `ab` or `a` being captured or pulled meanwhile)."""
+    pattern = re.compile(rf"\.{re.escape(image_dir.name)}(?:{suffix})", re.DOTALL)
+    try:
+        names = os.listdir(image_dir.parent)
+    except FileNotFoundError:
+        return []
+    return [image_dir.parent / name for name in sorted(names) if pattern.fullmatch(name)]
+
+
 def remove_stale_staging(image_dir: Path) -> None:
     """Drop staging directories that an interrupted capture of this image left (we hold the lock).
 
     Only what vsnap makes: real directories, root's, private (mkdtemp's 0700). In a sticky parent
     such as /tmp another user can create `.NAME.staging-x` too, and that is not ours to delete."""
-    for pattern in (f".{image_dir.name}.staging-*", f".{image_dir.name}.old-*"):
-        for leftover in image_dir.parent.glob(pattern):
-            try:
-                st = os.lstat(leftover)
-            except FileNotFoundError:
-                continue
-            if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077:
-                shutil.rmtree(leftover, ignore_errors=True)
+    for leftover in leftovers(image_dir, r"\.staging-[a-z0-9_]{8}|\.old-[0-9]+"):  # mkdtemp's, publish's
+        try:
+            st = os.lstat(leftover)
+        except FileNotFoundError:
+            continue
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077:
+            shutil.rmtree(leftover, ignore_errors=True)
 
 
 def checksum_tree(root: Path, skip: tuple[str, ...] = (MANIFEST,)) -> dict[str, FileEntry]:

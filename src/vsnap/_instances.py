@@ -17,6 +17,7 @@ or "standby" once CRIU returned (`vsnap restore --standby`; "activating" while `
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import shutil
 import stat
@@ -107,8 +108,13 @@ def new_instance_dir(control_dir: Path, prefix: str) -> tuple[str, Path]:
     return instance_id, control.ensure_private_dir(root / instance_id)
 
 
+INSTANCE_NAME = re.compile(r"(?:capture|r|cold)-[0-9a-f]{8}")  # what new_instance_dir makes
+
+
 def prune_failed(root: Path, keep_s: float = KEEP_FAILED_S) -> list[str]:
-    """Remove instance directories untouched for ``keep_s`` that no running instance uses."""
+    """Remove instance directories untouched for ``keep_s`` that no running instance uses: only
+    what new_instance_dir made (its name, root's, private). The root is named by a manifest's
+    control_dir, which may be hostile: whatever else sits in a directory of that name stays."""
     in_use = {Path(r.instance_dir).name for r in running_instances()}
     removed = []
     for entry in root.iterdir():
@@ -117,6 +123,8 @@ def prune_failed(root: Path, keep_s: float = KEEP_FAILED_S) -> list[str]:
         except OSError:
             continue
         if entry.name in in_use or not stat.S_ISDIR(st.st_mode) or time.time() - st.st_mtime < keep_s:
+            continue
+        if not INSTANCE_NAME.fullmatch(entry.name) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
             continue
         shutil.rmtree(entry, ignore_errors=True)
         removed.append(entry.name)

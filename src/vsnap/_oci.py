@@ -246,6 +246,13 @@ def parse_artifact(data: bytes, reference: Reference) -> Artifact:
             raise ArtifactError(ref, f"{ref}: layer {path} is {layer.size} bytes, over {MAX_FILE_BYTES}", file=path)
         seen.add(path)
         layers.append(Layer(path, encoding, layer.digest, layer.size))
+    for path in seen:  # before any blob: downloads run side by side, so a file and a directory of one
+        # name would otherwise meet only at a rename, in either order
+        parents = path.split("/")[:-1]
+        for depth in range(1, len(parents) + 1):
+            if "/".join(parents[:depth]) in seen:
+                raise ImageUntrusted(path, "the artifact names a file and a directory of the same name "
+                                           f"({'/'.join(parents[:depth])})", hint=ALTERED_HINT)
     return Artifact(reference.with_digest(digest), oci.config.digest, oci.config.size, layers)
 
 

@@ -46,7 +46,11 @@ def record_origin(image_dir: Path, reference: str) -> None:
     if digest is None:
         return
     body = json.dumps({"reference": reference, "manifest_sha256": digest}).encode()
-    control.write_atomic(image_dir.parent, origin_name(image_dir), body)
+    try:
+        control.write_atomic(image_dir.parent, origin_name(image_dir), body)
+    except OSError:
+        pass  # something else stands at that name (another user's directory in a sticky parent): only
+        # a label, and the image is published; `vsnap images` then shows it as the manifest says
 
 
 def read_origin(image_dir: Path) -> str | None:

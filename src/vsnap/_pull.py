@@ -28,7 +28,7 @@ from typing import Callable
 from . import _verified as verified
 from ._blobio import checking, parallel, write_blob
 from ._events import ProgressCallback, Timings, failpoint
-from ._image import (check_parent, image_lock, image_read_lock, piece_hashes, publish, require_replaceable,
+from ._image import (check_parent, leftovers, image_lock, image_read_lock, piece_hashes, publish, require_replaceable,
                      require_trust, verify_files)
 from ._manifest import MANIFEST, FileEntry, Manifest, read_manifest
 from ._origin import record_origin
@@ -78,7 +78,7 @@ def make_or_adopt_staging(image_dir: Path, digest: str) -> Path:
     """This pull's staging directory: made private, or the one an interrupted pull of the same
     manifest left (only if vsnap made it); other pulls' leftovers for this path are removed."""
     staging = staging_dir(image_dir, digest)
-    for leftover in image_dir.parent.glob(f".{image_dir.name}.pull-*"):
+    for leftover in leftovers(image_dir, r"\.pull-[0-9a-f]{16}"):  # NAME literally, never as a glob
         if leftover != staging and _is_ours(leftover):
             shutil.rmtree(leftover, ignore_errors=True)
             verified.forget(leftover)

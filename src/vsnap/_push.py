@@ -24,7 +24,7 @@ from ._manifest import MANIFEST, MAX_MANIFEST_BYTES, Manifest, read_manifest
 from ._oci import Layer, Reference, build_manifest, encoding_for, parse_reference, sha256_digest
 from ._pushed import PushedBlobs
 from ._registry import RegistryClient
-from ._trust import open_following_only_roots_links
+from ._trust import open_following_only_roots_links, require_trusted_tree
 from ._verified import VERIFIED_DIR
 from .protocol.errors import ImageError, UsageError
 
@@ -79,6 +79,7 @@ def push_image(image_dir: Path, reference: str | Reference, *, insecure: bool = 
                          hint="vsnap push IMAGE REGISTRY/REPOSITORY:TAG")
     image_dir = Path(image_dir).absolute()
     timings = Timings(on_event)
+    require_trusted_tree(image_dir)  # before its lock is made beside it or a byte of it is read
     with image_read_lock(image_dir):  # a capture's publish waits until the push is done
         with timings.phase("verify image"):
             manifest = read_manifest(image_dir)

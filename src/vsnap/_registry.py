@@ -23,6 +23,7 @@ import binascii
 import json
 import logging
 import os
+import re
 import stat
 import time
 from contextlib import contextmanager
@@ -59,15 +60,36 @@ def docker_config_path() -> Path | None:
     return path if os.path.lexists(path) else None
 
 
+HELPER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+CONFIG_HINT = ("root runs the credential helpers a docker config names: keep it root's alone (chown root, chmod "
+               "go-w, in root's directories), e.g. /root/.docker/config.json, or point DOCKER_CONFIG at one")
+
+
 def read_docker_config(path: Path) -> dict[str, Any]:
-    """The docker config as a dict; a file that is not a small regular JSON file is refused."""
+    """The docker config as a dict; a file that is not a small regular JSON file is refused, and
+    so is one that anyone but root could have written (it names programs root runs: credential
+    helpers, ``docker-credential-<name>``), or that names a helper by anything but a plain name
+    (a name with a ``/`` would run a path relative to the current directory)."""
+    from ._trust import open_following_only_roots_links, require_trusted_ancestors
+    from .protocol.errors import ImageUntrusted
+
+    def untrusted(why: str) -> RegistryUnavailable:
+        return RegistryUnavailable("", f"the docker config {path} {why}", hint=CONFIG_HINT)
+
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        require_trusted_ancestors(Path(os.path.abspath(path)))
+        fd = open_following_only_roots_links(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+    except ImageUntrusted as exc:
+        raise untrusted(f"is not root's alone ({exc.path}: {exc.reason})") from None
     except OSError as exc:
         raise RegistryUnavailable("", f"cannot read the docker config {path}: {exc.strerror}",
                                   hint="fix or remove it, or point DOCKER_CONFIG at another directory") from None
     try:
         st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode) and st.st_uid != os.geteuid():
+            raise untrusted(f"is owned by uid {st.st_uid}, not by root")
+        if stat.S_ISREG(st.st_mode) and st.st_mode & 0o022:
+            raise untrusted(f"has mode {stat.S_IMODE(st.st_mode):04o}: group or others can write it")
         data = os.read(fd, MAX_CONFIG_BYTES + 1) if stat.S_ISREG(st.st_mode) else b""
     finally:
         os.close(fd)
@@ -78,6 +100,14 @@ def read_docker_config(path: Path) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise RegistryUnavailable("", f"the docker config {path} is not a JSON object of at most 1 MiB",
                                   hint="fix or remove it, or point DOCKER_CONFIG at another directory")
+    helpers = config.get("credHelpers") or {}
+    names = list(helpers.values()) if isinstance(helpers, dict) else [helpers]
+    if config.get("credsStore"):
+        names.append(config["credsStore"])
+    for name in names:
+        if not isinstance(name, str) or not HELPER_NAME.fullmatch(name):
+            raise untrusted(f"names the credential helper {str(name)[:60]!r}; a helper is a plain name "
+                            "(docker-credential-NAME on root's PATH)")
     return config
 
 
@@ -146,7 +176,8 @@ class RegistryClient:
         if credentials is not None:
             self._registry.auth.set_basic_auth(*credentials)
         elif config_path is not None and (config.get("credHelpers") or config.get("credsStore")):
-            self._registry.auth.load_configs(self._container, configs=[str(config_path)])
+            with self._translate("its credential helper"):  # runs docker-credential-NAME (a plain name)
+                self._registry.auth.load_configs(self._container, configs=[str(config_path)])
         self._basic = backend == "basic"
 
     # --- plumbing -----------------------------------------------------------------------------
@@ -188,6 +219,9 @@ class RegistryClient:
                                            "run the command again to resume") from None
         except self._requests.exceptions.RequestException as exc:
             raise RegistryUnavailable(registry, f"{what} to {registry} failed: {type(exc).__name__}") from None
+        except (KeyError, TypeError) as exc:  # oras: a credential helper's answer without Username/Secret
+            raise RegistryUnavailable(registry, f"the credential helper for {registry} gave no usable login "
+                                                f"({type(exc).__name__}: {str(exc)[:60]})", hint=LOGIN_HINT) from None
         except ValueError as exc:  # oras: "Cannot respond to request for authentication." and the like
             raise RegistryUnavailable(registry, f"registry {registry} refused {what}: {exc}", hint=LOGIN_HINT) from None
 

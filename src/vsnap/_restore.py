@@ -566,6 +566,9 @@ def _stop_restoring(record: InstanceRecord) -> None:
         if now.state not in ("restoring", "activating"):
             stop_server(now)  # it finished (serving, or standing by) before it saw the request
             return
+        working = now.activator if now.state == "activating" else now.owner
+        if working is None or not is_same(working.identity):
+            break  # its vsnap process died (SIGKILL) without cleaning up: no one will answer the request
         time.sleep(0.05)
     kill_tree((record.activator or record.owner).identity, grace_s=5)  # a stuck restore: end it, then the tree
     if record.tree is not None:

@@ -123,3 +123,22 @@ def test_only_vsnaps_own_leftovers_are_removed(tmp_path: Path) -> None:
     remove_stale_staging(image)
     assert not ours.exists()
     assert (theirs / "work.txt").read_text() == "precious" and shared.is_dir()
+
+
+def test_an_image_name_is_never_a_glob(tmp_path: Path) -> None:
+    """Hostile pass 9: a capture of `a*` (or `[ab]`) removed the staging directory of a concurrent
+    capture of `ab`, a pull of `a*` the staging of a pull of `ab`: NAME went into a glob pattern."""
+    from vsnap._image import remove_stale_staging
+    from vsnap._pull import make_or_adopt_staging
+
+    other = tmp_path / "ab"
+    capturing = make_staging(other)
+    pulling = make_or_adopt_staging(other, "sha256:" + "e" * 64)
+    (capturing / "pages-1.img").write_text("in flight")
+    for name in ("a*", "[ab]b", "?b"):
+        remove_stale_staging(tmp_path / name)
+        make_or_adopt_staging(tmp_path / name, "sha256:" + "f" * 64)
+    assert (capturing / "pages-1.img").read_text() == "in flight" and pulling.is_dir()
+    remove_stale_staging(other)  # its own leftovers still go
+    make_or_adopt_staging(other, "sha256:" + "f" * 64)
+    assert not capturing.exists() and not pulling.exists()

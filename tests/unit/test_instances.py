@@ -14,7 +14,7 @@ def test_failed_runs_are_pruned_after_a_while(tmp_path: Path, monkeypatch: pytes
     monkeypatch.setattr(_instances, "RUNTIME_DIR", tmp_path / "run")
     control_dir = tmp_path / "control"
     root = Path(f"{control_dir}.instances")
-    old_failed, old_running, recent = (root / name for name in ("r-old", "r-running", "r-recent"))
+    old_failed, old_running, recent = (root / name for name in ("r-0000000a", "r-0000000b", "r-0000000c"))
     root.mkdir(mode=0o700)
     for directory in (old_failed, old_running, recent):
         directory.mkdir(mode=0o700)
@@ -22,11 +22,31 @@ def test_failed_runs_are_pruned_after_a_while(tmp_path: Path, monkeypatch: pytes
     long_ago = time.time() - _instances.KEEP_FAILED_S - 60
     for directory in (old_failed, old_running):
         os.utime(directory, (long_ago, long_ago))
-    register(InstanceRecord(id="r-running", image="/i", name="n", state="restoring", owner=this_process(),
+    register(InstanceRecord(id="r-0000000b", image="/i", name="n", state="restoring", owner=this_process(),
                             instance_dir=str(old_running), started_at=long_ago))
     instance_id, fresh = new_instance_dir(control_dir, "r")
-    assert sorted(p.name for p in root.iterdir()) == sorted(["r-running", "r-recent", instance_id])
+    assert sorted(p.name for p in root.iterdir()) == sorted(["r-0000000b", "r-0000000c", instance_id])
     assert fresh.is_dir()
+
+
+def test_only_what_vsnap_made_is_pruned(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hostile pass 9: a manifest's control_dir (a pulled image's, say) names the instances root;
+    any old directory in an existing `<control_dir>.instances` was removed, whatever its name or owner."""
+    monkeypatch.setattr(_instances, "RUNTIME_DIR", tmp_path / "run")
+    control_dir = tmp_path / "data"
+    root = Path(f"{control_dir}.instances")
+    root.mkdir(mode=0o700)
+    long_ago = time.time() - _instances.KEEP_FAILED_S - 60
+    names = ("backups", "r-0000000a", "capture-0000000b", "cold-0000000c", "r-0000000d", "r-0000000e")
+    for name in names:
+        (root / name).mkdir(mode=0o700)
+        (root / name / "precious").write_text("x")
+    os.chown(root / "r-0000000d", 65534, 65534)  # not root's
+    os.chmod(root / "r-0000000e", 0o755)  # not private
+    for name in names:
+        os.utime(root / name, (long_ago, long_ago))
+    instance_id, _ = new_instance_dir(control_dir, "r")
+    assert sorted(p.name for p in root.iterdir()) == sorted(["backups", "r-0000000d", "r-0000000e", instance_id])
 
 
 def test_a_record_whose_pid_was_reused_is_gone_and_never_signalled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -128,3 +148,34 @@ def test_standby_records_follow_their_tree_and_unreadable_records_are_kept(tmp_p
     running, gone = instance_records()
     assert [r.id for r in running] == ["r-2"] and gone == []
     assert foreign.exists()
+
+
+def test_stopping_an_activation_whose_vsnap_died_does_not_wait(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hostile pass 9: a `vsnap activate` killed with SIGKILL left its standby "activating"; `vsnap stop`
+    then waited the whole STOP_WAIT_S (60 s) for an answer no process would give."""
+    import subprocess
+
+    from vsnap._instances import ProcessRef, running_instances
+    from vsnap._restore import stop_server
+
+    monkeypatch.setattr(_instances, "RUNTIME_DIR", tmp_path / "run")
+    me = this_process()
+    dead = subprocess.Popen(["sleep", "60"])  # the activator, then SIGKILLed
+    dead_ref = ProcessRef(pid=dead.pid, start_time=_instances.identify(dead.pid).start_time, boot_id=me.boot_id)
+    dead.kill()
+    dead.wait()
+    tree = subprocess.Popen(["sleep", "60"])  # the half-activated standby's tree (our child here)
+    try:
+        tree_ref = ProcessRef(pid=tree.pid, start_time=_instances.identify(tree.pid).start_time, boot_id=me.boot_id)
+        directory = tmp_path / "ctl.instances" / "r-0000000f"
+        directory.mkdir(parents=True, mode=0o700)
+        os.chmod(directory.parent, 0o700)
+        register(InstanceRecord(id="r-0000000f", image="/i", name="n", state="activating", owner=me, tree=tree_ref,
+                                activator=dead_ref, instance_dir=str(directory), started_at=time.time()))
+        started = time.monotonic()
+        stop_server(running_instances()[0])
+        assert time.monotonic() - started < 10
+        assert tree.wait(timeout=10) is not None and running_instances() == []
+    finally:
+        tree.kill()
+        tree.wait()

@@ -166,6 +166,16 @@ def test_two_layers_one_title_refused() -> None:
         parse_artifact(encode(doc), REF)
 
 
+def test_a_file_and_a_directory_of_one_name_refused_before_any_blob() -> None:
+    """Hostile pass 9: titles `logs` and `logs/engine.log` met only at the rename of whichever blob
+    came second: a traceback (IsADirectoryError) when the file's came last."""
+    doc = document()
+    first = doc["layers"][0]["annotations"][TITLE]
+    doc["layers"][1]["annotations"][TITLE] = first.split("/")[0]
+    with pytest.raises(ImageUntrusted, match="names a file and a directory of the same name"):
+        parse_artifact(encode(doc), REF)
+
+
 def test_oversized_manifest_and_wrong_digest_refused() -> None:
     with pytest.raises(ArtifactError, match="over 4 MiB"):
         parse_artifact(b" " * (MAX_OCI_MANIFEST_BYTES + 1), REF)
@@ -394,3 +404,49 @@ def test_pushed_blobs_are_remembered_until_the_file_changes(tmp_path: Path) -> N
     assert PushedBlobs(image, root).known("criu/pages-1.img", os.lstat(page), "zstd") == layer
     os.chmod(root, 0o777)  # a record others could have written is no record
     assert PushedBlobs(image, root).known("criu/pages-1.img", os.lstat(page), "zstd") is None
+
+
+def test_a_docker_config_anyone_else_could_write_is_refused(tmp_path: Path) -> None:
+    """Hostile pass 9: DOCKER_CONFIG (or HOME) pointing into another user's directory let that user
+    name a credential helper, `x/../pwn`, that root ran as ./docker-credential-x/../pwn."""
+    home = tmp_path / "mallory"
+    home.mkdir()
+    config = home / "config.json"
+    config.write_text(json.dumps({"auths": {}}))
+    assert read_docker_config(config) == {"auths": {}}  # root's alone: read
+    os.chown(home, 65534, 65534)
+    with pytest.raises(RegistryUnavailable, match="is not root's alone .*owned by uid 65534"):
+        read_docker_config(config)
+    os.chown(home, 0, 0)
+    os.chown(config, 65534, 65534)
+    with pytest.raises(RegistryUnavailable, match="is owned by uid 65534, not by root"):
+        read_docker_config(config)
+    os.chown(config, 0, 0)
+    os.chmod(config, 0o666)
+    with pytest.raises(RegistryUnavailable, match="has mode 0666"):
+        read_docker_config(config)
+    os.chmod(config, 0o644)
+    link = tmp_path / "link.json"
+    link.symlink_to(config)
+    os.lchown(link, 65534, 65534)
+    with pytest.raises(RegistryUnavailable, match="is not root's alone"):
+        read_docker_config(link)
+    for bad in ({"credsStore": "x/../pwn"}, {"credHelpers": {"reg.io": "../../tmp/evil"}}, {"credsStore": ["x"]}):
+        config.write_text(json.dumps(bad))
+        with pytest.raises(RegistryUnavailable, match="names the credential helper"):
+            read_docker_config(config)
+    config.write_text(json.dumps({"credsStore": "desktop", "credHelpers": {"reg.io": "ecr-login"}}))
+    assert read_docker_config(config)["credsStore"] == "desktop"
+
+
+def test_a_push_of_another_users_directory_writes_nothing_beside_it(tmp_path: Path) -> None:
+    """Hostile pass 9: `vsnap push ~mallory/img` made root's `.img.readers.lock` in mallory's
+    directory and parsed her manifest.json before the trust model refused the image."""
+    from tests.unit.fake_image import make_image
+    from vsnap._push import push_image
+
+    image = make_image(tmp_path / "mallory" / "img")
+    os.chown(image.parent, 65534, 65534)
+    with pytest.raises(ImageUntrusted, match="owned by uid 65534"):
+        push_image(image, "127.0.0.1:9/vsnap/x:v1")
+    assert sorted(p.name for p in image.parent.iterdir()) == ["img"]

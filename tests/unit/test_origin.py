@@ -22,3 +22,18 @@ def test_origin_is_shown_only_for_the_manifest_it_was_recorded_with(tmp_path: Pa
     record.unlink()
     os.symlink("/etc/passwd", record)
     assert read_origin(image) is None  # never through a link
+
+
+def test_something_planted_at_the_origin_name_does_not_fail_the_published_pull(tmp_path: Path) -> None:
+    """Hostile pass 9: another user's directory at `.NAME.origin` in a sticky parent made a pull
+    that had published its image end in a traceback, leaving `..NAME.origin.PID.tmp` behind."""
+    parent = tmp_path / "images"
+    image = parent / "llama"
+    image.mkdir(parents=True, mode=0o700)
+    (image / "manifest.json").write_bytes(b'{"pulled": 1}')
+    planted = parent / origin_name(image)
+    planted.mkdir()
+    os.chown(planted, 65534, 65534)
+    record_origin(image, "registry.example/llama@sha256:" + "a" * 64)
+    assert read_origin(image) is None and planted.is_dir()
+    assert sorted(p.name for p in parent.iterdir()) == [origin_name(image), "llama"]  # no temp file left

@@ -201,7 +201,11 @@ def write_atomic(directory: Path, name: str, data: bytes) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        try:
+            os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except OSError:  # a directory planted at ``name``, say: leave no temp file behind
+            os.unlink(tmp, dir_fd=dir_fd)
+            raise
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
