@@ -28,13 +28,14 @@ import stat
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, BinaryIO, Iterable, Iterator
+from typing import Any, BinaryIO, Callable, Iterable, Iterator
 
 from ._oci import OCI_MANIFEST, Reference
 from .protocol.errors import ArtifactError, HostNotReady, RegistryUnavailable, VsnapError
 
 CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 120.0
+MIN_BYTES_PER_S = 64 * 1024  # a transfer slower than this on average, after READ_TIMEOUT_S, is given up
 ATTEMPTS = 3
 MAX_CONFIG_BYTES = 1 << 20
 MAX_ERROR_BYTES = 4096
@@ -301,7 +302,8 @@ class RegistryClient:
         response = self._request(f"GET blob {digest[:19]}", url, "GET", stream=True, ok=(200,))
         try:
             with self._translate(f"GET blob {digest[:19]}"):
-                yield from response.iter_content(READ_CHUNK)
+                yield from at_least_min_rate(response.iter_content(READ_CHUNK), self.reference.registry,
+                                             f"blob {digest[:19]}")
         finally:
             response.close()
 
@@ -324,7 +326,7 @@ class RegistryClient:
         data = bytearray()
         try:
             with self._translate("GET manifest"):
-                for chunk in response.iter_content(64 << 10):
+                for chunk in at_least_min_rate(response.iter_content(64 << 10), self.reference.registry, "manifest"):
                     data += chunk
                     if len(data) > limit:
                         raise ArtifactError(str(self.reference), f"{self.reference}: the registry's manifest runs "
@@ -350,6 +352,24 @@ def _quiet_oras(oras: Any) -> None:
         oras.logger.logger.log_handler = []
         logging.getLogger("oras").propagate = False
         _QUIETED = True
+
+
+def at_least_min_rate(chunks: Iterable[bytes], registry: str, what: str, *, grace_s: float = READ_TIMEOUT_S,
+                      min_bytes_per_s: float = MIN_BYTES_PER_S,
+                      clock: Callable[[], float] = time.monotonic) -> Iterator[bytes]:
+    """``chunks`` as they arrive, ended with RegistryUnavailable once, after ``grace_s``, the
+    transfer's average rate falls below ``min_bytes_per_s``: the read timeout alone lets a registry
+    that sends a byte now and then hold a pull (a node's pre-pull loop) for ever."""
+    start, received = clock(), 0
+    for chunk in chunks:
+        received += len(chunk)
+        elapsed = clock() - start
+        if elapsed > grace_s and received < min_bytes_per_s * elapsed:
+            raise RegistryUnavailable(registry, f"{registry} sent {what} at {received / elapsed / 1024:.1f} KiB/s "
+                                                f"after {elapsed:.0f} s; vsnap gives up below "
+                                                f"{min_bytes_per_s / 1024:.0f} KiB/s",
+                                      hint="check the registry and the network, then pull again (files already checked are kept)")
+        yield chunk
 
 
 def _mount_timeouts(session: Any, requests: Any) -> None:

@@ -450,3 +450,30 @@ def test_a_push_of_another_users_directory_writes_nothing_beside_it(tmp_path: Pa
     with pytest.raises(ImageUntrusted, match="owned by uid 65534"):
         push_image(image, "127.0.0.1:9/vsnap/x:v1")
     assert sorted(p.name for p in image.parent.iterdir()) == ["img"]
+
+
+def test_a_registry_that_drips_bytes_is_given_up_after_the_grace() -> None:
+    """Each read answers within the read timeout, yet a byte a second would hold a pull for ever."""
+    from vsnap._registry import at_least_min_rate
+    from vsnap.protocol.errors import RegistryUnavailable
+
+    now = [0.0]
+
+    def drip():  # type: ignore[no-untyped-def]
+        while True:
+            now[0] += 1.0
+            yield b"x"
+
+    with pytest.raises(RegistryUnavailable, match=r"KiB/s after 1\d\d s; vsnap gives up below 64 KiB/s"):
+        for _ in at_least_min_rate(drip(), "r.example", "blob sha256:0", clock=lambda: now[0]):
+            pass
+    assert 120 < now[0] < 130  # not before the grace, soon after it
+    fast = [b"y" * (1 << 20)] * 300  # 1 MiB a second for 300 s: kept
+    now[0] = 0.0
+
+    def steady():  # type: ignore[no-untyped-def]
+        for chunk in fast:
+            now[0] += 1.0
+            yield chunk
+
+    assert sum(map(len, at_least_min_rate(steady(), "r.example", "blob", clock=lambda: now[0]))) == 300 << 20
