@@ -21,7 +21,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from . import _verified as verified
 from ._trust import (make_trusted_dirs, require_inside, require_plain_names, require_trusted_ancestors,
@@ -158,17 +158,36 @@ def _flock(fd: int, operation: int, timeout_s: float) -> bool:
 
 
 @contextmanager
-def image_lock(image_dir: Path) -> Iterator[None]:
-    """One capture per image path at a time (a flock on `.NAME.lock` beside it)."""
-    lock_path = image_dir.parent / f".{image_dir.name}.lock"
+def held_lock(lock_path: Path, operation: int, timeout_s: float, busy: Callable[[], Exception]) -> Iterator[None]:
+    """A flock (``operation``) on ``lock_path`` (opened by _open_lock: never through a link, root's
+    private file) for the block; ``busy()`` is raised when it cannot be had within ``timeout_s``."""
     fd = _open_lock(lock_path)
     try:
-        if not _flock(fd, fcntl.LOCK_EX, 0):
-            raise ImageBusy(lock_path, f"another vsnap capture is writing {image_dir}",
-                            hint="wait for it to finish, or capture into another --image")
+        if not _flock(fd, operation, timeout_s):
+            raise busy()
         yield
     finally:
         os.close(fd)
+
+
+def capture_lock_path(image_dir: Path) -> Path:
+    """`.NAME.lock` beside the image: held by a capture (or pull) writing it, and by `vsnap rm`."""
+    return image_dir.parent / f".{image_dir.name}.lock"
+
+
+def readers_lock_path(image_dir: Path) -> Path:
+    """`.NAME.readers.lock` beside the image: shared by restores reading it, exclusive to replace it."""
+    return image_dir.parent / f".{image_dir.name}.readers.lock"
+
+
+@contextmanager
+def image_lock(image_dir: Path) -> Iterator[None]:
+    """One capture per image path at a time (a flock on `.NAME.lock` beside it)."""
+    lock_path = capture_lock_path(image_dir)
+    with held_lock(lock_path, fcntl.LOCK_EX, 0, lambda: ImageBusy(
+            lock_path, f"another vsnap capture is writing {image_dir}",
+            hint="wait for it to finish, or capture into another --image")):
+        yield
 
 
 # Restores hold this shared from verification until the engine has read the image's weights;
@@ -178,15 +197,11 @@ READ_LOCK_WAIT_S = 120.0
 
 @contextmanager
 def image_read_lock(image_dir: Path, *, exclusive: bool = False, timeout_s: float = READ_LOCK_WAIT_S) -> Iterator[None]:
-    lock_path = image_dir.parent / f".{image_dir.name}.readers.lock"
-    fd = _open_lock(lock_path)
-    try:
-        if not _flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH, timeout_s):
-            doing = "restores are still reading" if exclusive else "a capture is replacing"
-            raise ImageBusy(lock_path, f"{doing} {image_dir} (waited {timeout_s:g} s)")
+    lock_path = readers_lock_path(image_dir)
+    doing = "restores are still reading" if exclusive else "a capture is replacing"
+    with held_lock(lock_path, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH, timeout_s,
+                   lambda: ImageBusy(lock_path, f"{doing} {image_dir} (waited {timeout_s:g} s)")):
         yield
-    finally:
-        os.close(fd)
 
 
 def make_staging(image_dir: Path) -> Path:

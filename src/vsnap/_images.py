@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from . import _verified as verified
-from ._image import _flock, _open_lock
+from ._image import capture_lock_path, held_lock, readers_lock_path
 from ._instances import InstanceRecord, running_instances
 from ._origin import read_origin
 from ._manifest import CRIU_DIR, LOGS_DIR, MANIFEST, MAX_MANIFEST_BYTES, SHM_DIR, WEIGHTS_DIR, read_manifest
@@ -288,23 +288,13 @@ def remove_image(target: str | Path, *, instances: Instances | None = None) -> R
 def exclusive_locks(image_dir: Path) -> Iterator[None]:
     """The image's capture lock, then its readers' lock, both exclusive and not waited for (the
     order a capture's publish takes them in)."""
-    capture_lock = image_dir.parent / f".{image_dir.name}.lock"
-    fd = _open_lock(capture_lock)
-    try:
-        if not _flock(fd, fcntl.LOCK_EX, 0):
-            raise ImageBusy(capture_lock, f"a vsnap capture is writing {image_dir}",
-                            hint="wait for it to finish, then vsnap rm again")
-        readers_lock = image_dir.parent / f".{image_dir.name}.readers.lock"
-        readers = _open_lock(readers_lock)
-        try:
-            if not _flock(readers, fcntl.LOCK_EX, 0):
-                raise ImageBusy(readers_lock, f"a vsnap restore is reading {image_dir}",
-                                hint="wait for it to finish (or vsnap stop it), then vsnap rm again")
-            yield
-        finally:
-            os.close(readers)
-    finally:
-        os.close(fd)
+    capture_lock, readers_lock = capture_lock_path(image_dir), readers_lock_path(image_dir)
+    with held_lock(capture_lock, fcntl.LOCK_EX, 0, lambda: ImageBusy(
+            capture_lock, f"a vsnap capture is writing {image_dir}", hint="wait for it to finish, then vsnap rm again")), \
+            held_lock(readers_lock, fcntl.LOCK_EX, 0, lambda: ImageBusy(
+                readers_lock, f"a vsnap restore is reading {image_dir}",
+                hint="wait for it to finish (or vsnap stop it), then vsnap rm again")):
+        yield
 
 
 def recognize(image_dir: Path) -> tuple[list[str], list[str], str | None]:

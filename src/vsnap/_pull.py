@@ -34,7 +34,7 @@ from ._manifest import MANIFEST, FileEntry, Manifest, read_manifest
 from ._origin import record_origin
 from ._oci import (ALTERED_HINT, INCOMING, MAX_OCI_MANIFEST_BYTES, OCI_MANIFEST, Artifact, Layer, Reference,
                    match_manifest, parse_artifact, parse_reference, sha256_digest)
-from ._registry import RegistryClient
+from ._registry import RegistryClient, per_thread_clients
 from ._spec import DEFAULT_IMAGE_ROOT, require_safe_directory
 from .protocol.control import write_atomic
 from .protocol.errors import ArtifactError, HostNotReady, ImageUntrusted
@@ -105,13 +105,7 @@ def pull_image(reference: str | Reference, *, to: Path | None = None, force: boo
     with image_lock(image_dir):  # one capture or pull per image path
         require_replaceable(image_dir, force)
         with timings.phase("connect"):
-            local = threading.local()
-
-            def client() -> RegistryClient:
-                if not hasattr(local, "client"):
-                    local.client = RegistryClient(ref, insecure=insecure)
-                return local.client
-
+            client = per_thread_clients(ref, insecure=insecure)
             client()
         with timings.phase("fetch manifest"):
             artifact, manifest, staging = _fetch_manifest(client(), ref, image_dir)

@@ -23,7 +23,7 @@ from ._image import image_read_lock, sha256_file, verify_files
 from ._manifest import MANIFEST, MAX_MANIFEST_BYTES, Manifest, read_manifest
 from ._oci import Layer, Reference, build_manifest, encoding_for, parse_reference, sha256_digest
 from ._pushed import PushedBlobs
-from ._registry import RegistryClient
+from ._registry import RegistryClient, per_thread_clients
 from ._trust import open_following_only_roots_links, require_trusted_tree
 from ._verified import VERIFIED_DIR
 from .protocol.errors import ImageError, UsageError
@@ -88,13 +88,7 @@ def push_image(image_dir: Path, reference: str | Reference, *, insecure: bool = 
             if Manifest.model_validate_json(config) != manifest:
                 raise ImageError(f"{image_dir / MANIFEST} changed while vsnap read it", hint="push again")
         with timings.phase("connect"):
-            local = threading.local()
-
-            def client() -> RegistryClient:
-                if not hasattr(local, "client"):
-                    local.client = RegistryClient(ref, insecure=insecure)
-                return local.client
-
+            client = per_thread_clients(ref, insecure=insecure)
             client()
         pushed = PushedBlobs(image_dir)
         stats = {rel: os.lstat(image_dir / rel) for rel in manifest.files}

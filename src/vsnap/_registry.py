@@ -25,6 +25,7 @@ import logging
 import os
 import re
 import stat
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -352,6 +353,19 @@ def _quiet_oras(oras: Any) -> None:
         oras.logger.logger.log_handler = []
         logging.getLogger("oras").propagate = False
         _QUIETED = True
+
+
+def per_thread_clients(reference: Reference, *, insecure: bool = False) -> Callable[[], RegistryClient]:
+    """A function that gives each thread its own RegistryClient of ``reference`` (a requests
+    session is not shared between threads), made on its first call in that thread."""
+    local = threading.local()
+
+    def client() -> RegistryClient:
+        if not hasattr(local, "client"):
+            local.client = RegistryClient(reference, insecure=insecure)
+        return local.client
+
+    return client
 
 
 def at_least_min_rate(chunks: Iterable[bytes], registry: str, what: str, *, grace_s: float = READ_TIMEOUT_S,

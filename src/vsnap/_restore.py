@@ -31,7 +31,7 @@ from .protocol.errors import (CheckpointError, EngineError, HostNotReady, ImageC
 from ._events import ProgressCallback, Timings
 from ._host import HostDifference, check_criu, check_root, require_host_matches
 from ._cleanup import Cleanup
-from ._image import image_read_lock, verify_files
+from ._image import held_lock, image_read_lock, verify_files
 from ._manifest import CRIU_DIR, ENGINE_LOG, SHM_DIR, TREE_DIRS, WEIGHTS_DIR, Manifest, read_manifest
 from ._verified import VERIFIED_DIR
 from ._netns import NetnsHolder
@@ -505,15 +505,9 @@ def activation_lock(work: Path, instance_id: str) -> Iterator[None]:
     and end the tree the first is bringing up. An flock on a file in the instance's own private
     directory (made by vsnap, opened without following links), held until the activation returns."""
     control.check_private_dir(work)
-    fd = os.open(work / ACTIVATION_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise InstanceNotStandby(instance_id, "being activated by another vsnap") from None
+    with held_lock(work / ACTIVATION_LOCK, fcntl.LOCK_EX, 0,
+                   lambda: InstanceNotStandby(instance_id, "being activated by another vsnap")):
         yield
-    finally:
-        os.close(fd)
 
 
 def manifest_digest(manifest: Manifest) -> str:

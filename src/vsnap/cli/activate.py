@@ -7,6 +7,7 @@ from typing import Optional
 import typer
 
 from . import _render
+from .restore import serving_document, serving_line
 from . import app, error_boundary
 
 
@@ -32,15 +33,7 @@ def activate(
     finally:
         progress.close()
     if as_json:
-        _render.print_json("activate", {
-            "pid": server.pid, "url": server.url, "host": server.host, "port": server.port,
-            "instance": server.instance_id, "instance_dir": str(server.instance_dir), "gpu": server.gpu,
-            "timings": server.timings, "total_s": sum(server.timings.values()), "command_start_s": started_s,
-            "recovery": server.recovery,
-            "weights_source": server.weights_source, "engine_log": str(server.engine_log),
-        })
+        _render.print_json("activate", serving_document(server, started_s))
         return
     _render.stdout.print(_render.timing_table(f"activated {server.instance_id}", server.timings, server.recovery))
-    _render.stdout.print(f"instance {server.instance_id} serving {server.url} (pid {server.pid}"
-                         f"{', GPU ' + server.gpu if server.gpu else ''}); engine log {server.engine_log}",
-                         markup=False)
+    _render.stdout.print(serving_line(server), markup=False)

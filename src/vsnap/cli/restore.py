@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 
@@ -52,20 +52,12 @@ def restore(
         _report_standby(server, as_json, detach, started_s)
     elif as_json:
         _render.print_json("restore", {
-            "pid": server.pid, "url": server.url, "host": server.host, "port": server.port,
-            "instance": server.instance_id, "instance_dir": str(server.instance_dir), "gpu": server.gpu,
-            "timings": server.timings, "total_s": sum(server.timings.values()), "command_start_s": started_s,
-            "recovery": server.recovery,
-            "weights_source": server.weights_source, "hashed_files": server.hashed_files, "lazy_pages": lazy_pages,
-            "engine_log": str(server.engine_log), "restore_log": str(server.restore_log), "detached": detach,
-            "host_warnings": server.host_warnings,
+            **serving_document(server, started_s), "hashed_files": server.hashed_files, "lazy_pages": lazy_pages,
+            "restore_log": str(server.restore_log), "detached": detach, "host_warnings": server.host_warnings,
         })
     else:
         _render.stdout.print(_render.timing_table(f"restored {server.image_dir}", server.timings, server.recovery))
-        _render.stdout.print(f"instance {server.instance_id} serving {server.url} (pid {server.pid}"
-                             f"{', GPU ' + server.gpu if server.gpu else ''}"
-                             f"{', weights from the ' + server.weights_source if server.weights_source else ''}); "
-                             f"engine log {server.engine_log}")
+        _render.stdout.print(serving_line(server), markup=False)
     if detach:
         server.detach()
         return
@@ -80,14 +72,31 @@ def restore(
     raise EngineError("serve", "EngineExited", "the server exited", log_path=server.engine_log)
 
 
+def serving_document(server: _restore.RestoredServer, started_s: float) -> dict[str, Any]:
+    """What `vsnap restore --json` and `vsnap activate --json` both say of a server that serves."""
+    return {
+        "pid": server.pid, "url": server.url, "host": server.host, "port": server.port,
+        "instance": server.instance_id, "instance_dir": str(server.instance_dir), "gpu": server.gpu,
+        "timings": server.timings, "total_s": sum(server.timings.values()), "command_start_s": started_s,
+        "recovery": server.recovery, "weights_source": server.weights_source, "engine_log": str(server.engine_log),
+    }
+
+
+def serving_line(server: _restore.RestoredServer) -> str:
+    return (f"instance {server.instance_id} serving {server.url} (pid {server.pid}"
+            f"{', GPU ' + server.gpu if server.gpu else ''}"
+            f"{', weights from the ' + server.weights_source if server.weights_source else ''}); "
+            f"engine log {server.engine_log}")
+
+
 def _report_standby(server: _restore.RestoredServer, as_json: bool, detach: bool, started_s: float) -> None:
     memory = server.memory_bytes or 0
     if as_json:
         _render.print_json("restore", {
             "pid": server.pid, "state": "standby", "instance": server.instance_id,
             "instance_dir": str(server.instance_dir), "timings": server.timings, "total_s": sum(server.timings.values()),
-            "command_start_s": started_s, "memory_bytes": memory, "hashed_files": server.hashed_files, "engine_log": str(server.engine_log),
-            "restore_log": str(server.restore_log), "detached": detach,
+            "command_start_s": started_s, "memory_bytes": memory, "hashed_files": server.hashed_files,
+            "engine_log": str(server.engine_log), "restore_log": str(server.restore_log), "detached": detach,
         })
         return
     _render.stdout.print(_render.timing_table(f"standby of {server.image_dir}", server.timings, {}))
