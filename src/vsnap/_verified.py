@@ -74,12 +74,16 @@ def remember(image_dir: Path, digests: dict[str, tuple[os.stat_result, str]], ro
         except OSError:
             continue
         files[rel] = {"identity": ident, "sha256": digest}
+    _write_record(root, _record_path(image_dir, root).name, {"image": str(image_dir.resolve()), "files": files})
+
+
+def _write_record(root: Path, name: str, document: dict) -> None:
+    """Write a record into ``root`` (made 0700 if missing), only if it is root's private directory."""
     try:
         root.mkdir(parents=True, mode=0o700, exist_ok=True)
         if not _private(root):
             return  # someone else's directory: never trust, never write
-        write_atomic(root, _record_path(image_dir, root).name,
-                     json.dumps({"image": str(image_dir.resolve()), "files": files}).encode())
+        write_atomic(root, name, json.dumps(document).encode())
     except OSError:
         pass  # only a cache: the next restore hashes again
 
@@ -127,10 +131,4 @@ def remember_dependencies(digests: dict[str, tuple[os.stat_result, str]], root: 
         except OSError:
             continue
         files[path] = {"identity": ident, "sha256": digest}
-    try:
-        root.mkdir(parents=True, mode=0o700, exist_ok=True)
-        if not _private(root):
-            return
-        write_atomic(root, DEPENDENCIES, json.dumps({"files": files}).encode())
-    except OSError:
-        pass  # only a cache
+    _write_record(root, DEPENDENCIES, {"files": files})
