@@ -44,11 +44,17 @@ class ProcessIdentity:
     boot_id: str
 
 
+_boot_ids: list[str] = []  # this boot's id, once read: it cannot change while this process runs
+
+
 def _boot_id() -> str:
-    try:
-        return BOOT_ID.read_text().strip()
-    except OSError:
-        return ""
+    """This boot's id, read once (identify runs in every wait loop that watches a tree)."""
+    if not _boot_ids:
+        try:
+            _boot_ids.append(BOOT_ID.read_text().strip())
+        except OSError:
+            return ""
+    return _boot_ids[0]
 
 
 def _stat_fields(pid: int) -> list[str] | None:
