@@ -41,7 +41,7 @@ def main() -> int:
     start = time.monotonic()
     for sample in manifest.oracle.samples:
         sent = time.monotonic()
-        choice = complete(args.url, manifest.launch.served_model_name, sample.prompt, len(sample.token_ids),
+        choice = complete(args.url, sample.model or manifest.launch.served_model_name, sample.prompt, len(sample.token_ids),
                           manifest.launch.oracle_top_k)
         got_ids = choice.get("token_ids")
         got_lp = choice["logprobs"]["token_logprobs"]

@@ -1,12 +1,16 @@
-"""Write a random-weight Llama that vLLM loads: config.json, safetensors shards, a byte-level BPE
+"""Write a random-weight model that vLLM loads: config.json, safetensors shards, a byte-level BPE
 tokenizer, tokenizer_config.json, generation_config.json. No model hub is needed.
 
-    python scripts/make_test_model.py OUT_DIR [--shape tiny|tiny-hd48|8b] [--seed 0]
+    python scripts/make_test_model.py OUT_DIR [--shape tiny|tiny-hd48|tiny-moe|8b] [--fp8] [--seed 0]
+    python scripts/make_test_model.py OUT_DIR --adapter [--shape tiny] [--seed 1]
 
-tiny: 2 layers, hidden 256, 4 heads of 64 (a few MB). tiny-hd48: the same with hidden 96 and 2
-heads of 48, a head size vLLM's CPU attention refuses (what tests of that rule need). 8b: the
-Llama-3-8B shape (32 layers, hidden 4096, 128256 vocabulary, about 15 GB in bf16). Weights are
-N(0, 0.02) from a seeded generator, so the same command writes the same files.
+tiny: a Llama of 2 layers, hidden 256, 4 heads of 64 (a few MB). tiny-hd48: the same with hidden
+96 and 2 heads of 48, a head size vLLM's CPU attention refuses (what tests of that rule need).
+tiny-moe: a Mixtral of the tiny size with 4 experts, top-2 routing. 8b: the Llama-3-8B shape (32
+layers, hidden 4096, 128256 vocabulary, about 15 GB in bf16). --fp8: the linear layers' weights
+stored in float8_e4m3fn with a per-tensor scale (the "fp8" checkpoint format, dynamic activation
+scales). --adapter: a PEFT LoRA adapter (rank 8, every projection) for that shape instead of a
+model. Weights are N(0, 0.02) from a seeded generator, so the same command writes the same files.
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ SHAPES = {
                  num_key_value_heads=2, vocab_size=2048, max_position_embeddings=2048),
     "tiny-hd48": dict(hidden_size=96, intermediate_size=192, num_hidden_layers=2, num_attention_heads=2,
                       num_key_value_heads=2, vocab_size=2048, max_position_embeddings=2048),
+    "tiny-moe": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=2048, max_position_embeddings=2048,
+                     num_local_experts=4, num_experts_per_tok=2),
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192),
 }
@@ -70,19 +77,72 @@ def tensors(cfg: dict, seed: int):
         yield p + "self_attn.v_proj.weight", rand(kv, h)
         yield p + "self_attn.o_proj.weight", rand(h, h)
         yield p + "post_attention_layernorm.weight", torch.ones(h, dtype=torch.bfloat16)
-        yield p + "mlp.gate_proj.weight", rand(i, h)
-        yield p + "mlp.up_proj.weight", rand(i, h)
-        yield p + "mlp.down_proj.weight", rand(h, i)
+        if "num_local_experts" in cfg:  # Mixtral: a router and w1 (gate), w3 (up), w2 (down) per expert
+            yield p + "block_sparse_moe.gate.weight", rand(cfg["num_local_experts"], h)
+            for e in range(cfg["num_local_experts"]):
+                yield p + f"block_sparse_moe.experts.{e}.w1.weight", rand(i, h)
+                yield p + f"block_sparse_moe.experts.{e}.w3.weight", rand(i, h)
+                yield p + f"block_sparse_moe.experts.{e}.w2.weight", rand(h, i)
+        else:
+            yield p + "mlp.gate_proj.weight", rand(i, h)
+            yield p + "mlp.up_proj.weight", rand(i, h)
+            yield p + "mlp.down_proj.weight", rand(h, i)
     yield "model.norm.weight", torch.ones(h, dtype=torch.bfloat16)
     yield "lm_head.weight", rand(v, h)
 
 
-def write_weights(out: Path, cfg: dict, seed: int) -> int:
+FP8_LINEAR = ("_proj.weight",)  # the linear layers an "fp8" checkpoint stores in float8 (not the MoE experts')
+
+
+def as_fp8(named):
+    """Per-tensor float8_e4m3fn weights with their float32 ``weight_scale`` (448: e4m3's largest)."""
+    import torch
+
+    for name, tensor in named:
+        if name.endswith(FP8_LINEAR):
+            scale = tensor.float().abs().max().clamp(min=1e-12) / 448.0
+            yield name, (tensor.float() / scale).to(torch.float8_e4m3fn)
+            yield name.removesuffix("weight") + "weight_scale", scale.reshape(()).to(torch.float32)
+        else:
+            yield name, tensor
+
+
+def adapter_tensors(cfg: dict, seed: int, rank: int):
+    """A PEFT LoRA adapter's A and B matrices for every projection of every layer."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    h, i = cfg["hidden_size"], cfg["intermediate_size"]
+    kv = cfg["num_key_value_heads"] * (h // cfg["num_attention_heads"])
+    shapes = {"self_attn.q_proj": (h, h), "self_attn.k_proj": (h, kv), "self_attn.v_proj": (h, kv),
+              "self_attn.o_proj": (h, h), "mlp.gate_proj": (h, i), "mlp.up_proj": (h, i), "mlp.down_proj": (i, h)}
+    for layer in range(cfg["num_hidden_layers"]):
+        for module, (fan_in, fan_out) in shapes.items():
+            p = f"base_model.model.model.layers.{layer}.{module}."
+            yield p + "lora_A.weight", (torch.randn(rank, fan_in, generator=generator) * 0.05).to(torch.bfloat16)
+            yield p + "lora_B.weight", (torch.randn(fan_out, rank, generator=generator) * 0.05).to(torch.bfloat16)
+
+
+def write_adapter(out: Path, cfg: dict, seed: int, rank: int = 8) -> int:
+    from safetensors.torch import save_file
+
+    named = dict(adapter_tensors(cfg, seed, rank))
+    save_file(named, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0,
+        "bias": "none", "base_model_name_or_path": None, "fan_in_fan_out": False,
+        "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    }, indent=2))
+    return sum(t.numel() * t.element_size() for t in named.values())
+
+
+def write_weights(out: Path, cfg: dict, seed: int, fp8: bool = False) -> int:
     from safetensors.torch import save_file
 
     shards: list[dict] = [{}]
     size = 0
-    for name, tensor in tensors(cfg, seed):
+    named = tensors(cfg, seed)
+    for name, tensor in as_fp8(named) if fp8 else named:
         nbytes = tensor.numel() * tensor.element_size()
         if size and size + nbytes > SHARD_BYTES:
             shards.append({})
@@ -108,26 +168,38 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fp8", action="store_true", help="store the linear layers in float8 with scales")
+    parser.add_argument("--adapter", action="store_true", help="write a LoRA adapter for the shape instead")
     args = parser.parse_args()
     out: Path = args.out
-    if (out / "config.json").exists():
+    if (out / "config.json").exists() or (out / "adapter_config.json").exists():
         print(f"{out} already holds a model")
         return
     tmp = out.with_name(out.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     cfg = dict(SHAPES[args.shape])
+    if args.adapter:
+        total = write_adapter(tmp, cfg, args.seed)
+        os.rename(tmp, out)
+        print(f"wrote a LoRA adapter for {args.shape} to {out}: {total / 1e6:.2f} MB")
+        return
     write_tokenizer(tmp, cfg["vocab_size"])
+    moe = "num_local_experts" in cfg
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "bfloat16",
+        "architectures": ["MixtralForCausalLM" if moe else "LlamaForCausalLM"],
+        "model_type": "mixtral" if moe else "llama", "torch_dtype": "bfloat16",
         "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False,
         "bos_token_id": 0, "eos_token_id": 1, "attention_bias": False, "mlp_bias": False,
         "initializer_range": 0.02, **cfg,
     }
+    if args.fp8:
+        config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     (tmp / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 1}, indent=2))
-    total = write_weights(tmp, cfg, args.seed)
+    total = write_weights(tmp, cfg, args.seed, fp8=args.fp8)
     os.rename(tmp, out)
-    print(f"wrote {args.shape} Llama to {out}: {total / 1e9:.2f} GB of weights")
+    print(f"wrote {args.shape}{' fp8' if args.fp8 else ''} {config['architectures'][0]} to {out}: "
+          f"{total / 1e9:.2f} GB of weights")
 
 
 if __name__ == "__main__":

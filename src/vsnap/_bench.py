@@ -105,6 +105,20 @@ def parse_completion(choice: dict[str, Any]) -> Completion:
     return [int(t) for t in ids], values
 
 
+def lora_adapter_names(serve: dict[str, Any]) -> list[str]:
+    """The names of the LoRA adapters a vLLM spec loads at boot (``lora_modules``: ``name=path``
+    strings or ``{"name": ..., "path": ...}`` mappings, as vLLM's parser takes them)."""
+    modules = serve.get("lora_modules", serve.get("lora-modules")) or []
+    names = []
+    for module in modules if isinstance(modules, list) else [modules]:
+        if isinstance(module, dict):
+            names.append(str(module.get("name", "")))
+        elif isinstance(module, str):
+            text = module.strip()
+            names.append(str(json.loads(text).get("name", "")) if text.startswith("{") else text.split("=", 1)[0])
+    return [name for name in names if name]
+
+
 def completions(url: str, model: str, prompts: list[str], max_tokens: int = BENCH_TOKENS) -> list[Completion]:
     """Greedy completions of each prompt, one request at a time (the same batches on every server)."""
     out = []
@@ -352,8 +366,10 @@ def run_bench(spec: ModelSpec, *, runs: int = 3, cold_runs: int | None = None, l
     stem = f"bench-{spec.name}-{dt.date.today().isoformat()}" + ("-lazy-pages" if lazy_pages else "")
     prompts = bench_prompts()
 
-    def outputs(url: str) -> list[Completion]:
-        return completions(url, spec.served_model_name, prompts)
+    models = [spec.served_model_name, *lora_adapter_names(spec.serve)]
+
+    def outputs(url: str) -> list[Completion]:  # every prompt through the model, then through each LoRA adapter
+        return [c for model in models for c in completions(url, model, prompts)]
 
     with Cleanup() as cleanup:
         dirs = make_bench_dirs(spec, cleanup)
@@ -487,6 +503,7 @@ def _measure(spec: ModelSpec, own: ModelSpec, dirs: BenchDirs, model_dir: Path, 
         "floor_s": floor.seconds,
         "floor_inputs": {"image_read_bytes_per_s": floor.read_bytes_per_s, "h2d_bytes_per_s": floor.h2d_bytes_per_s},
         "outputs": {"max_tokens": BENCH_TOKENS, "greedy": True,
+                    "models": [spec.served_model_name, *lora_adapter_names(spec.serve)],
                     "restored_vs_cold": {"expected": "warm cold start #1", "actual": "restore #1",
                                          **compare_outputs(cold[1].outputs, restored_outputs)},
                     "cold_vs_cold": {"expected": "fully cold start", "actual": "warm cold start #1",
@@ -565,7 +582,9 @@ def write_record(record: dict[str, Any], out_dir: Path, stem: str) -> Path:
                   f"| `{proc['command'][:50]}` | {proc['anonymous_bytes'] / 1e6:.0f} MB | - |"
                   for proc in record["processes"]]
     if record.get("outputs"):
-        lines += ["", f"Equal outputs ({BENCH_PROMPTS} prompts x {record['outputs']['max_tokens']} greedy tokens, "
+        models = record["outputs"].get("models") or []
+        through = f", through each of {', '.join(models)}" if len(models) > 1 else ""
+        lines += ["", f"Equal outputs ({BENCH_PROMPTS} prompts x {record['outputs']['max_tokens']} greedy tokens{through}, "
                       "token ids compared; logprobs before the first differing token):", "",
                   "| servers | prompts that differ | first differing position | largest logprob difference |",
                   "|---|---|---|---|"]

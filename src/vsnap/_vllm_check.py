@@ -8,9 +8,11 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+from pathlib import Path
 
 from .protocol.errors import HostNotReady, SpecError, SpecIssue
 from ._spec import ModelSpec
+from ._trust import require_trusted_model
 
 
 def _issues(source: str, refusals: list) -> SpecError:
@@ -47,14 +49,23 @@ def _require_supported_args(spec: ModelSpec, source: str) -> str:
     refusals = vllm_rules.argument_refusals(args, environ={**os.environ, "VLLM_WORKER_MULTIPROC_METHOD": "spawn"})
     if refusals:
         raise _issues(source, refusals)
-    if not cuda:  # the CPU backend's model rules (its attention's head sizes) need the resolved config
-        try:
-            config = vllm_rules.resolve_config(args)
-        except Exception as exc:  # vLLM's own refusal of the configuration, in its words
+    for module in getattr(args, "lora_modules", None) or []:  # read by the engine, as root, like the model
+        require_trusted_model(Path(module.path))
+    # the resolved configuration (vLLM's own config; reads the model's config.json, loads nothing):
+    # on the CPU backend its model rules apply here; on CUDA the engine applies them when it builds
+    # (at capture), and here it only says what the configuration uses beyond a dense model
+    try:
+        config = vllm_rules.resolve_config(args)
+    except Exception as exc:  # vLLM's own refusal of the configuration, in its words
+        if not cuda:
             raise _issues(source, [vllm_rules.Refusal("serve", f"vLLM refuses the configuration: {exc}")]) from None
-        refusals = vllm_rules.config_refusals(config, is_cuda=False)
-        if refusals:
-            raise _issues(source, refusals)
-        return (f"{len(spec.serve)} serve arguments and the resolved configuration accepted by vLLM and the "
-                "snapshot rules (CPU backend)")
-    return f"{len(spec.serve)} serve arguments accepted by vLLM's parser and the snapshot rules"
+        return (f"{len(spec.serve)} serve arguments accepted by vLLM's parser and the snapshot rules "
+                f"(the configuration is resolved at capture: {type(exc).__name__})")
+    refusals = [] if cuda else vllm_rules.config_refusals(config, is_cuda=False)
+    if refusals:
+        raise _issues(source, refusals)
+    support = vllm_rules.configuration_support(config)
+    beyond = ("; beyond a dense model: " + ", ".join(f"{feature} ({how})" for feature, how in support)
+              if support else "")
+    return (f"{len(spec.serve)} serve arguments and the resolved configuration accepted by vLLM and the "
+            f"snapshot rules ({'CUDA' if cuda else 'CPU backend'}){beyond}")

@@ -43,3 +43,53 @@ def test_a_file_of_another_size_is_refused(tmp_path: Path) -> None:
     _write(path, named[:-1])
     with pytest.raises(ValueError, match="1068 bytes; the parameters need 1069"):
         stream_into(path, layout(named), [flat_bytes(t) for _, t in named])
+
+
+def test_pool_tensors_finds_every_tensor_of_the_pool_and_refills_it(tmp_path: Path) -> None:
+    """Parameters, a scale kept as a plain attribute and a transposed (non-contiguous) parameter
+    are carried; buffers (vLLM puts them back) and tensors outside the pool are not; objects gc
+    froze are found too; the file refills them byte for byte."""
+    import gc
+
+    from vsnap.engine.adapters.vllm_weights import fingerprint, pool_tensors
+
+    model = torch.nn.Linear(8, 16)
+    model.weight = torch.nn.Parameter(torch.randn(8, 16).t(), requires_grad=False)  # like FP8's qweight.t()
+    model.weight_scale_plain = torch.tensor([0.5, 2.0])  # not a parameter, not a buffer
+    model.register_buffer("cache", torch.ones(4))
+    outside = torch.zeros(64)
+    inside = [model.weight, model.bias, model.weight_scale_plain, model.cache]
+    ranges = [(t.untyped_storage().data_ptr(), t.untyped_storage().data_ptr() + t.untyped_storage().nbytes())
+              for t in inside]
+    gc.freeze()
+    try:
+        named = pool_tensors(model, ranges, device="cpu")
+    finally:
+        gc.unfreeze()
+    names = [name for name, _ in named]
+    assert set(names) >= {"weight", "bias"} and len(names) == 3, names
+    assert any(name.startswith("tensor@") for name in names)
+    assert all(t.untyped_storage().data_ptr() != outside.untyped_storage().data_ptr() for _, t in named)
+    assert all(t.untyped_storage().data_ptr() != model.cache.untyped_storage().data_ptr() for _, t in named)
+    before = fingerprint([("w", model.weight), ("b", model.bias), ("s", model.weight_scale_plain)])
+    path = tmp_path / "rank0.bin"
+    with open(path, "wb") as f:
+        for _, view in named:
+            f.write(memoryview(view.numpy()))
+    for _, view in named:
+        view.zero_()
+    assert fingerprint([("w", model.weight)]) != {"w": before["w"]}
+    stream_into(path, layout(named), [view for _, view in named], threads=2, chunk=16)
+    assert fingerprint([("w", model.weight), ("b", model.bias), ("s", model.weight_scale_plain)]) == before
+
+
+def test_views_of_one_storage_are_carried_once() -> None:
+    from vsnap.engine.adapters.vllm_weights import pool_tensors
+
+    base = torch.zeros(32)
+    model = torch.nn.Module()
+    model.a = torch.nn.Parameter(base, requires_grad=False)
+    model.view = base[4:]  # a slice: the same storage, carried once under the parameter's name
+    ptr = base.untyped_storage().data_ptr()
+    named = pool_tensors(model, [(ptr, ptr + 128)], device="cpu")
+    assert [name for name, _ in named] == ["a"]

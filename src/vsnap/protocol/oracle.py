@@ -18,6 +18,8 @@ class OracleSample(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     prompt: str
+    # the served name to ask over HTTP: a LoRA adapter's, or None for the model itself
+    model: str | None = None
     token_ids: list[int]
     text: str = ""
     # one dict per generated position: token id (as a string, JSON keys are strings) -> logprob

@@ -39,6 +39,28 @@ def _refuse(phase: str, refusals: list[vllm_rules.Refusal]) -> EngineError:
                        hint="vsnap validate SPEC names each refused argument")
 
 
+class RehearsalMismatch(Exception):
+    """The capture's rehearsal did not reproduce the oracle: the mismatch and which of the model's
+    state did not come back (the engine reports it as the capture's failure, in these words)."""
+
+    def __init__(self, mismatch: OracleMismatch, changed: list[str], weights_source: str) -> None:
+        where = "the weights file" if weights_source == "file" else "vLLM's reload from the model's files"
+        if changed:
+            shown = ", ".join(changed[:4]) + (f" and {len(changed) - 4} more" if len(changed) > 4 else "")
+            account = f"after sleep and {where}, these did not come back: {shown}"
+        else:
+            account = (f"after sleep and {where} every parameter, buffer and tensor of the weights pool came "
+                       "back: the state that differs is held outside them")
+        self.message = f"the rehearsal's oracle differs ({mismatch.engine_message}); {account}"
+        self.changed = changed
+        super().__init__(self.message)
+
+
+def changed_state(before: dict[str, int], after: dict[str, int]) -> list[str]:
+    """Names whose checksum differs between two vsnap_fingerprint results (or that went missing)."""
+    return [name for name, value in before.items() if after.get(name) != value]
+
+
 def _report(values: dict[str, Any]) -> str:
     """Byte counts in MB, for the engine log."""
     return ", ".join(f"{k.removesuffix('_bytes')} {v / 1e6:.1f} MB" if k.endswith("_bytes") else f"{k} {v}"
@@ -85,6 +107,8 @@ class VllmAdapter(EngineAdapter):
         refusals = vllm_rules.config_refusals(config, is_cuda=self.cuda)
         if refusals:
             raise _refuse("build engine", refusals)
+        for feature, support in vllm_rules.configuration_support(config):
+            print(f"vsnap: configuration: {feature} ({support})", flush=True)
         self.engine = AsyncLLM.from_vllm_config(
             vllm_config=config,
             usage_context=UsageContext.OPENAI_API_SERVER,
@@ -92,16 +116,27 @@ class VllmAdapter(EngineAdapter):
             disable_log_stats=engine_args.disable_log_stats,
         )
 
+    def _adapters(self) -> list[tuple[str, Any]]:
+        """The LoRA adapters the server loaded at boot (``--lora-modules``): (name, LoRARequest).
+        Known once the OpenAI app's state is built (_prebuild_app)."""
+        models = getattr(getattr(self.app, "state", None), "openai_serving_models", None)
+        return sorted(dict(getattr(models, "lora_requests", None) or {}).items())
+
     async def run_oracle(self) -> Oracle:
+        """The spec's prompts through the base model, then the first prompt through each LoRA
+        adapter loaded at boot (so the rehearsal and every restore check the adapters' state too)."""
         from vllm import SamplingParams
 
+        jobs: list[tuple[str, str | None, Any]] = [(p, None, None) for p in self.launch.oracle_prompts]
+        jobs += [(self.launch.oracle_prompts[0], name, request) for name, request in self._adapters()]
         samples = []
-        for index, prompt in enumerate(self.launch.oracle_prompts):
+        for index, (prompt, model, lora_request) in enumerate(jobs):
             params = SamplingParams(temperature=0.0, max_tokens=self.launch.oracle_max_tokens,
                                     min_tokens=self.launch.oracle_max_tokens, ignore_eos=True, seed=0,
                                     logprobs=self.launch.oracle_top_k)
             final = None
-            async for output in self.engine.generate(prompt, params, request_id=f"vsnap-oracle-{index}-{uuid.uuid4().hex}"):
+            async for output in self.engine.generate(prompt, params, request_id=f"vsnap-oracle-{index}-{uuid.uuid4().hex}",
+                                                     lora_request=lora_request):
                 final = output
             if final is None:
                 raise EngineError("oracle", "NoOutput", f"no output for oracle prompt {index}")
@@ -109,7 +144,7 @@ class VllmAdapter(EngineAdapter):
             logprobs = [{str(token): float(lp.logprob) for token, lp in position.items()}
                         for position in (completion.logprobs or [])]
             samples.append(OracleSample(prompt=prompt, token_ids=list(completion.token_ids), logprobs=logprobs,
-                                        text=completion.text))
+                                        text=completion.text, model=model))
         return Oracle(samples=samples)
 
     async def _sleep(self) -> None:
@@ -164,16 +199,25 @@ class VllmAdapter(EngineAdapter):
         times["wake_kv_cache_s"] = time.monotonic() - start
         return times
 
-    async def _rehearse(self, oracle: Oracle) -> None:
-        """Sleep, wake and reload as a restore will, then require the same oracle."""
+    async def _rehearse(self, oracle: Oracle, before: dict[str, int]) -> None:
+        """Sleep, wake and reload as a restore will, then require the same oracle. On a mismatch
+        the error names the tensors (parameters, buffers, the weights file's) that differ from
+        ``before`` (their checksums when the oracle was computed)."""
+        ours = self.args.worker_extension_cls == vllm_weights.EXTENSION
         await self._sleep()
         await self._wake(self.launch.weights_dir)
-        compare_oracles(oracle, await self.run_oracle(), self.launch.oracle_tolerance)
+        try:
+            compare_oracles(oracle, await self.run_oracle(), self.launch.oracle_tolerance)
+        except OracleMismatch as mismatch:
+            if not ours:
+                raise
+            after = await self._rpc("vsnap_fingerprint")
+            raise RehearsalMismatch(mismatch, changed_state(before, after), self.weights_source) from None
 
     async def prepare(self) -> Oracle:
+        await self._prebuild_app()  # first, awake: it loads the LoRA adapters given at boot, which the oracle asks
         oracle = await self.run_oracle()
         if not self.cuda:  # nothing to release or rehearse: the image holds the engine as it is
-            await self._prebuild_app()
             self._freeze_gc_heap()
             return oracle
         weights_dir = self.launch.weights_dir
@@ -182,20 +226,20 @@ class VllmAdapter(EngineAdapter):
                 saved = await self._rpc("vsnap_save_weights", weights_dir)
                 print(f"vsnap: weights file written: {saved}", flush=True)
                 self.weights_source = "file"
-            except Exception as exc:  # e.g. a parameter that is not one contiguous tensor
+            except Exception as exc:  # e.g. two tensors of the weights pool that overlap
                 self._drop_weights_file(f"could not write the weights file ({type(exc).__name__}: {exc})")
         # Rehearse the exact recovery path once before the capture: a restore must not be the
         # first time sleep level 2, weight reload and wake run in this process.
+        before = await self._rpc("vsnap_fingerprint") if self.args.worker_extension_cls == vllm_weights.EXTENSION else {}
         try:
-            await self._rehearse(oracle)
-        except OracleMismatch as mismatch:
+            await self._rehearse(oracle, before)
+        except RehearsalMismatch as mismatch:
             if self.weights_source != "file":
                 raise
-            # Parameters alone do not hold all of this model's loaded state: reload through vLLM.
-            self._drop_weights_file(f"the weights file did not reproduce the oracle ({mismatch})")
-            await self._rehearse(oracle)
+            # The weights pool's tensors do not hold all of this model's loaded state: reload through vLLM.
+            self._drop_weights_file(f"the weights file did not reproduce the oracle ({mismatch.message})")
+            await self._rehearse(oracle, before)
         await self._sleep()
-        await self._prebuild_app()
         self._freeze_gc_heap()
         return oracle
 

@@ -5,10 +5,14 @@ Two stages, as in vLLM's startup-snapshot reference:
 * argument rules, on the parsed serve arguments, before anything starts: one Python HTTP
   frontend, one local rank, no external load balancing or expert parallelism, a local
   executor, logprobs that can be compared, Linux x86_64, spawned workers;
-* model rules, on the resolved VllmConfig, before workers are built: a dense unquantized
-  generation model, no KV/EC transfer, speculation or LoRA, weights that can be reloaded from
-  safetensors, no CPU offload; on CUDA sleep mode on; on vLLM's CPU backend (no CUDA checkpoint,
-  no sleep: weights and KV cache stay in the image) a head size its attention supports.
+* model rules, on the resolved VllmConfig, before workers are built: a generation model, not
+  multimodal (untried), no KV/EC transfer, weights that can be reloaded from safetensors, no CPU
+  offload; on CUDA sleep mode on; on vLLM's CPU backend (no CUDA checkpoint, no sleep: weights
+  and KV cache stay in the image) a head size its attention supports.
+
+Quantization, mixture of experts, LoRA adapters and speculative decoding are not refused: the
+capture's rehearsal (sleep, wake, refill, oracle) decides, and configuration_support says which of
+them a GPU record has tested and which are allowed on the rehearsal's word.
 
 The same rules hold for vLLM 0.26.0 and 0.32.0; the names that moved between them come from
 vllm_compat.
@@ -221,21 +225,15 @@ def config_refusals(config: Any, *, is_cuda: bool) -> list[Refusal]:
     if model.runner_type != "generate":
         refuse("runner", f"snapshots need a generation model, not {model.runner_type!r}")
     if model.is_multimodal_model:
-        refuse("model", "multimodal models are not supported")
-    if model.is_moe:
-        refuse("model", "mixture-of-experts models are not supported")
-    if model.is_hybrid:
-        refuse("model", "hybrid (attention + state-space) models are not supported")
-    if model.quantization is not None:
-        refuse("quantization", f"quantized models ({model.quantization}) are not supported")
+        refuse("model", "multimodal models are not supported yet (not tried: no multimodal test model)")
     if (parallel.world_size != 1 or parallel.data_parallel_size != 1 or parallel.data_parallel_size_local != 1
             or parallel.data_parallel_rank != 0 or parallel.nnodes != 1 or parallel.node_rank != 0
             or parallel.data_parallel_backend != "mp" or parallel._api_process_count != 1
             or parallel.distributed_executor_backend not in ("uni", "mp")):
         refuse("parallel", "snapshots need local single-rank execution")
-    for name in ("kv_transfer_config", "ec_transfer_config", "speculative_config", "lora_config"):
+    for name in ("kv_transfer_config", "ec_transfer_config"):
         if getattr(config, name, None) is not None:
-            refuse(name, "KV/EC transfer, speculative decoding and LoRA are not supported")
+            refuse(name, "KV/EC transfer connects the engine to other processes or hosts, which a snapshot cannot carry")
     if config.load_config.load_format not in ("auto", "safetensors"):
         refuse("load_format", "weights are reloaded from safetensors after restore: use auto or safetensors")
     offload = config.offload_config
@@ -246,6 +244,36 @@ def config_refusals(config: Any, *, is_cuda: bool) -> list[Refusal]:
     if is_cuda and not model.enable_sleep_mode:
         refuse("enable_sleep_mode", "snapshots need sleep mode")
     return refusals
+
+
+# What the GPU records in docs/benchmarks/ show captured and restored with a bit-identical oracle and
+# outputs equal to a cold start (vLLM 0.26.0, H200); see docs/model-yaml.md.
+TESTED_QUANTIZATION = ("fp8",)
+TESTED_SPECULATION = ("ngram",)
+
+
+def configuration_support(config: Any) -> list[tuple[str, str]]:
+    """What a resolved VllmConfig uses beyond a dense bf16 model, each with "tested" (a committed
+    GPU record covers it) or "on trust" (allowed because the capture's rehearsal (sleep, wake,
+    reload, oracle) must pass before an image is published)."""
+    model = config.model_config
+    found: list[tuple[str, str]] = []
+    if model.quantization is not None:
+        found.append((f"quantization {model.quantization}",
+                      "tested" if model.quantization in TESTED_QUANTIZATION else "on trust"))
+    if model.is_moe:
+        architecture = (getattr(model, "architectures", None) or ["?"])[0]
+        found.append((f"mixture of experts ({architecture})",
+                      "tested" if architecture == "MixtralForCausalLM" else "on trust"))
+    if getattr(config, "lora_config", None) is not None:
+        found.append(("LoRA adapters", "tested"))
+    speculative = getattr(config, "speculative_config", None)
+    if speculative is not None:
+        method = str(getattr(speculative, "method", "?"))
+        found.append((f"speculative decoding ({method})", "tested" if method in TESTED_SPECULATION else "on trust"))
+    if model.is_hybrid:
+        found.append(("hybrid attention + state-space model", "on trust"))
+    return found
 
 
 def cpu_head_sizes() -> list[int] | None:

@@ -1,16 +1,18 @@
 """The model's weights as one flat file per rank, written at capture, streamed back at restore.
 
 vLLM's own reload after sleep level 2 runs its model loader again: safetensors through pageable
-copies and the model's weight-loading code, about 6 GB/s on an H200. This file holds the
-parameters exactly as they sit on the GPU once loaded and processed (one contiguous run of bytes
-per parameter, in ``named_parameters()`` order), so a restore only has to move bytes: several
-threads read pieces of the file into pinned host buffers and copy each to its parameter with an
-asynchronous host-to-device copy while the next piece is read.
+copies and the model's weight-loading code, about 6 GB/s on an H200 (and for models quantized at
+load, LoRA slots or MoE tables, not all of the loaded state). This file holds every tensor of the
+sleep allocator's weights pool exactly as it sits on the GPU once loaded and processed (each
+storage whole, in address order: parameters, quantization scales, LoRA slots; see pool_tensors),
+so a restore only has to move bytes: several threads read pieces of the file into pinned host
+buffers and copy each to its tensor with an asynchronous host-to-device copy while the next piece
+is read.
 
 ``WeightsFileExtension`` is mixed into vLLM's GPU worker (vLLM's ``worker_extension_cls``); the
-engine calls its methods through ``collective_rpc``. The layout (names, sizes, dtypes, shapes) is
-kept in the worker's memory, which the CRIU image carries: a restore checks the parameters still
-have that layout before it copies a byte.
+engine calls its methods through ``collective_rpc``. The layout (names, sizes) and views of the
+tensors are kept in the worker's memory, which the CRIU image carries: a restore checks every
+parameter still lives in a storage the file covers before it copies a byte.
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ import itertools
 import mmap
 import os
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..heap import release_heap
 
@@ -284,45 +287,168 @@ def device_memory_report() -> dict[str, float]:
     return {"gpu_used_bytes": float(total - free), **pools, "unpooled_bytes": float(total - free) - held}
 
 
+def weights_pool_ranges() -> list[tuple[int, int]]:
+    """The address ranges of vLLM's sleep allocator tagged "weights": what sleep level 2 discards
+    and wake maps again, empty, at the same addresses."""
+    try:
+        from vllm.device_allocator import cumem
+    except ImportError:
+        return []
+    allocator = cumem.CuMemAllocator.instance
+    if allocator is None:
+        return []
+    return sorted((int(ptr), int(ptr) + int(data.handle[1])) for ptr, data in allocator.pointer_to_data.items()
+                  if data.tag == "weights")
+
+
+def pool_membership(ranges: list[tuple[int, int]]) -> Callable[[int], bool]:
+    """A test of whether an address lies in one of ``ranges`` (sorted, disjoint)."""
+    starts = [lo for lo, _ in ranges]
+
+    def inside(ptr: int) -> bool:
+        k = bisect.bisect_right(starts, ptr) - 1
+        return k >= 0 and ptr < ranges[k][1]
+
+    return inside
+
+
+def storage_view(tensor: Any) -> Any:
+    """A flat uint8 tensor over the whole storage behind ``tensor`` (the same memory, kept alive)."""
+    import torch
+
+    storage = tensor.untyped_storage()
+    return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage, 0, (storage.nbytes(),), (1,))
+
+
+def pool_tensors(model: Any, ranges: list[tuple[int, int]] | None = None, device: str = "cuda") -> list[tuple[str, Any]]:
+    """Every storage in the weights pool that a Python object holds, except the model's buffers
+    (vLLM saves those at sleep and puts them back at wake), as (name, flat uint8 view) in address
+    order.
+
+    Parameters are not all of a model's loaded state: quantization scales kept as plain
+    attributes, LoRA slots, MoE routing tables are tensors too, made while the model loaded, so in
+    the weights pool, and lost at sleep like the parameters. A tensor is named after the parameter
+    whose storage it is, else ``tensor@<offset in the pool>``. Two storages that overlap raise
+    ValueError (then the capture reloads through vLLM). ``ranges`` and ``device``: the pool's
+    address ranges (default: vLLM's sleep allocator's) and the tensors' device type."""
+    ranges = weights_pool_ranges() if ranges is None else sorted(ranges)
+    if not ranges:
+        return []
+    base = ranges[0][0]
+    in_pool = pool_membership(ranges)
+
+    names = {p.untyped_storage().data_ptr(): name for name, p in model.named_parameters() if p.device.type == device}
+    buffers = {b.untyped_storage().data_ptr() for _, b in model.named_buffers() if b.device.type == device}
+    found: dict[int, Any] = {}
+    for obj in _all_objects():
+        try:
+            if not _is_tensor_on(obj, device):
+                continue
+            storage = obj.untyped_storage()
+            ptr, nbytes = storage.data_ptr(), storage.nbytes()
+        except Exception:  # an object that is not a real tensor (a fake tensor of torch.compile's tracing)
+            continue
+        if nbytes and ptr not in buffers and in_pool(ptr) and nbytes > found.get(ptr, (0, None))[0]:
+            found[ptr] = (nbytes, obj)
+    named: list[tuple[str, Any]] = []
+    end = 0
+    for ptr in sorted(found):
+        nbytes, tensor = found[ptr]
+        if ptr < end:
+            raise ValueError(f"two tensors of the weights pool overlap at {ptr - base:#x}")
+        end = ptr + nbytes
+        named.append((names.get(ptr, f"tensor@{ptr - base:#x}"), storage_view(tensor)))
+    return named
+
+
+def _all_objects() -> list[Any]:
+    """Every object the garbage collector tracks, those vLLM froze after loading (gc.freeze: then
+    gc.get_objects leaves them out) included; they are frozen again afterwards."""
+    import gc
+
+    frozen = gc.get_freeze_count()
+    if frozen:
+        gc.unfreeze()
+    try:
+        return gc.get_objects()
+    finally:
+        if frozen:
+            gc.freeze()
+
+
+def _is_tensor_on(obj: Any, device: str) -> bool:
+    import torch
+
+    with warnings.catch_warnings():  # some objects warn when their type is asked (deprecated aliases)
+        warnings.simplefilter("ignore")
+        return isinstance(obj, torch.Tensor) and obj.device.type == device
+
+
+def fingerprint(named: list[tuple[str, Any]]) -> dict[str, int]:
+    """A checksum per tensor (its bytes summed as int32 words), to name what did not come back."""
+    import torch
+
+    sums = {}
+    for name, tensor in named:
+        flat = tensor.detach().reshape(-1).view(torch.uint8) if tensor.is_contiguous() else storage_view(tensor)
+        words = flat[: flat.numel() // 4 * 4].view(torch.int32)
+        sums[name] = int(words.sum(dtype=torch.int64).item()) + int(flat[words.numel() * 4:].sum().item())
+    return sums
+
+
 class WeightsFileExtension:
     """Methods added to vLLM's GPU worker; called with ``collective_rpc("vsnap_...")``."""
 
-    def _vsnap_parameters(self) -> list[tuple[str, Any]]:
-        model = self.model_runner.get_model()  # type: ignore[attr-defined]
-        return [(name, p) for name, p in model.named_parameters() if p.numel() > 0]
+    def _vsnap_model(self) -> Any:
+        return self.model_runner.get_model()  # type: ignore[attr-defined]
 
     def _vsnap_rank(self) -> int:
         return int(getattr(self, "rank", 0))
 
     def vsnap_save_weights(self, directory: str) -> dict[str, float]:
-        """Write every parameter's bytes to DIRECTORY/rank<N>.bin (called while the weights are loaded)."""
+        """Write the weights pool's tensors (pool_tensors) to DIRECTORY/rank<N>.bin (called while
+        the weights are loaded); the worker keeps the views to refill after a wake."""
         start = time.monotonic()
-        named = self._vsnap_parameters()
-        segments = layout(named)
+        named = pool_tensors(self._vsnap_model())
+        if not named:
+            raise RuntimeError("the weights are not in vLLM's sleep allocator (is sleep mode on?)")
         os.makedirs(directory, mode=0o700, exist_ok=True)
         path = Path(directory) / file_name(self._vsnap_rank())
         with open(path, "wb") as f:
             for _, tensor in named:
-                f.write(memoryview(flat_bytes(tensor).cpu().numpy()))
+                f.write(memoryview(tensor.cpu().numpy()))
             f.flush()
             os.fsync(f.fileno())
-        self._vsnap_layout = segments
-        return {"weights_bytes": float(path.stat().st_size), "weights_save_s": time.monotonic() - start}
+        self._vsnap_layout = layout(named)
+        self._vsnap_targets = [t for _, t in named]
+        parameters = sum(1 for name, _ in named if not name.startswith("tensor@"))
+        return {"weights_bytes": float(path.stat().st_size), "weights_save_s": time.monotonic() - start,
+                "tensors": float(len(named)), "parameter_storages": float(parameters)}
 
     def vsnap_start_loading_weights(self, directory: str) -> None:
-        """Start streaming DIRECTORY/rank<N>.bin into the (awake, empty) parameters in the
+        """Start streaming DIRECTORY/rank<N>.bin into the (awake, empty) weights pool in the
         background, so the KV cache can be woken meanwhile; vsnap_finish_loading_weights waits."""
         saved: list[Segment] | None = getattr(self, "_vsnap_layout", None)
         if saved is None:
             raise RuntimeError("no weights file was written by this process")
-        named = self._vsnap_parameters()
-        now = layout(named)
-        if now != saved:
-            changed = next((a.name for a, b in zip(saved, now) if a != b), f"{len(saved)} vs {len(now)} parameters")
-            raise RuntimeError(f"the model's parameters changed since the weights file was written ({changed})")
+        held = {t.data_ptr(): t.numel() for t in self._vsnap_targets}
+        in_pool = pool_membership(weights_pool_ranges())
+        for name, p in self._vsnap_model().named_parameters():
+            storage = p.untyped_storage()
+            if p.is_cuda and in_pool(storage.data_ptr()) and held.get(storage.data_ptr()) != storage.nbytes():
+                raise RuntimeError(f"the model's parameters changed since the weights file was written ({name})")
         path = Path(directory) / file_name(self._vsnap_rank())
         pool = ThreadPoolExecutor(max_workers=1)
-        self._vsnap_loading = (pool, pool.submit(stream_into, path, now, [flat_bytes(t) for _, t in named]))
+        self._vsnap_loading = (pool, pool.submit(stream_into, path, saved, self._vsnap_targets))
+
+    def vsnap_fingerprint(self) -> dict[str, int]:
+        """Checksums of the parameters, the buffers and the weights file's tensors (while awake)."""
+        model = self._vsnap_model()
+        named = [(f"parameter {n}", p) for n, p in model.named_parameters() if p.is_cuda and p.numel()]
+        named += [(f"buffer {n}", b) for n, b in model.named_buffers() if b.is_cuda and b.numel()]
+        named += [(f"tensor {n}", t) for n, t in zip((s.name for s in getattr(self, "_vsnap_layout", [])),
+                                                     getattr(self, "_vsnap_targets", []))]
+        return fingerprint(named)
 
     def vsnap_finish_loading_weights(self) -> dict[str, float]:
         pool, future = self._vsnap_loading

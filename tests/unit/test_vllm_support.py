@@ -1,0 +1,60 @@
+"""What vsnap says about a vLLM configuration beyond a dense model, without vLLM: the support
+classification, the rehearsal's account of state that did not come back, LoRA adapter names."""
+
+from types import SimpleNamespace
+
+from vsnap._bench import lora_adapter_names
+from vsnap.engine.adapters.vllm import RehearsalMismatch, changed_state
+from vsnap.engine.adapters.vllm_rules import configuration_support
+from vsnap.protocol.errors import OracleMismatch
+from vsnap.protocol.oracle import Oracle, OracleSample
+
+
+def _config(**model: object) -> SimpleNamespace:
+    fields = {"quantization": None, "is_moe": False, "is_hybrid": False, "architectures": ["LlamaForCausalLM"],
+              **model}
+    return SimpleNamespace(model_config=SimpleNamespace(**fields), lora_config=None, speculative_config=None)
+
+
+def test_support_names_tested_and_trusted_features() -> None:
+    assert configuration_support(_config()) == []
+    assert configuration_support(_config(quantization="fp8")) == [("quantization fp8", "tested")]
+    assert configuration_support(_config(quantization="awq")) == [("quantization awq", "on trust")]
+    assert configuration_support(_config(is_moe=True, architectures=["Qwen3MoeForCausalLM"])) == [
+        ("mixture of experts (Qwen3MoeForCausalLM)", "on trust")]
+    config = _config(is_moe=True, architectures=["MixtralForCausalLM"], is_hybrid=True)
+    config.lora_config = object()
+    config.speculative_config = SimpleNamespace(method="eagle3")
+    assert configuration_support(config) == [
+        ("mixture of experts (MixtralForCausalLM)", "tested"), ("LoRA adapters", "tested"),
+        ("speculative decoding (eagle3)", "on trust"), ("hybrid attention + state-space model", "on trust")]
+
+
+def test_rehearsal_mismatch_names_what_did_not_come_back() -> None:
+    before = {"parameter w": 1, "parameter b": 2, "tensor tensor@0x0": 3, "buffer cos": 4}
+    after = {"parameter w": 1, "parameter b": 9, "buffer cos": 4}
+    changed = changed_state(before, after)
+    assert changed == ["parameter b", "tensor tensor@0x0"]
+    error = RehearsalMismatch(OracleMismatch(0, 3, "token 5", "token 7"), changed, "file")
+    assert str(error) == error.message == (
+        "the rehearsal's oracle differs (prompt 0, token 3: expected token 5, got token 7); after sleep and the "
+        "weights file, these did not come back: parameter b, tensor tensor@0x0")
+    many = RehearsalMismatch(OracleMismatch(1, 0, "a", "b"), [f"parameter p{i}" for i in range(6)], "model")
+    assert many.message.endswith("vLLM's reload from the model's files, these did not come back: "
+                                 "parameter p0, parameter p1, parameter p2, parameter p3 and 2 more")
+    none = RehearsalMismatch(OracleMismatch(0, 0, "a", "b"), [], "file")
+    assert "came back: the state that differs is held outside them" in none.message
+
+
+def test_lora_adapter_names_in_both_of_vllms_forms() -> None:
+    assert lora_adapter_names({}) == []
+    assert lora_adapter_names({"lora_modules": ["a1=/m/a1", '{"name": "a2", "path": "/m/a2"}',
+                                                {"name": "a3", "path": "/m/a3"}]}) == ["a1", "a2", "a3"]
+    assert lora_adapter_names({"lora-modules": "solo=/m/s"}) == ["solo"]
+
+
+def test_an_oracle_sample_names_the_adapter_it_asked() -> None:
+    plain = OracleSample(prompt="p", token_ids=[1], logprobs=[{"1": -0.1}])
+    assert plain.model is None  # images written before adapters were asked read the same
+    through = OracleSample(prompt="p", model="a1", token_ids=[1], logprobs=[{"1": -0.1}])
+    assert Oracle.model_validate_json(Oracle(samples=[plain, through]).model_dump_json()).samples[1].model == "a1"
