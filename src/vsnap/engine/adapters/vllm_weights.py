@@ -366,7 +366,8 @@ def _all_objects() -> list[Any]:
     gc.get_objects leaves them out) included; they are frozen again afterwards."""
     import gc
 
-    frozen = gc.get_freeze_count()
+    frozen, enabled = gc.get_freeze_count(), gc.isenabled()
+    gc.disable()  # no collection of the unfrozen heap (a full one takes seconds) while it is unfrozen
     if frozen:
         gc.unfreeze()
     try:
@@ -374,6 +375,8 @@ def _all_objects() -> list[Any]:
     finally:
         if frozen:
             gc.freeze()
+        if enabled:
+            gc.enable()
 
 
 def _is_tensor_on(obj: Any, device: str) -> bool:
