@@ -328,7 +328,7 @@ def pool_tensors(model: Any, ranges: list[tuple[int, int]] | None = None, device
     Parameters are not all of a model's loaded state: quantization scales kept as plain
     attributes, LoRA slots, MoE routing tables are tensors too, made while the model loaded, so in
     the weights pool, and lost at sleep like the parameters. A tensor is named after the parameter
-    whose storage it is, else ``tensor@<offset in the pool>``. Two storages that overlap raise
+    whose storage it is, else ``tensor@<offset in the pool> <dtype>[<shape>]``. Two storages that overlap raise
     ValueError (then the capture reloads through vLLM). ``ranges`` and ``device``: the pool's
     address ranges (default: vLLM's sleep allocator's) and the tensors' device type."""
     ranges = weights_pool_ranges() if ranges is None else sorted(ranges)
@@ -357,7 +357,8 @@ def pool_tensors(model: Any, ranges: list[tuple[int, int]] | None = None, device
         if ptr < end:
             raise ValueError(f"two tensors of the weights pool overlap at {ptr - base:#x}")
         end = ptr + nbytes
-        named.append((names.get(ptr, f"tensor@{ptr - base:#x}"), storage_view(tensor)))
+        unnamed = f"tensor@{ptr - base:#x} {str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}"
+        named.append((names.get(ptr, unnamed), storage_view(tensor)))
     return named
 
 
@@ -408,7 +409,7 @@ class WeightsFileExtension:
     def _vsnap_rank(self) -> int:
         return int(getattr(self, "rank", 0))
 
-    def vsnap_save_weights(self, directory: str) -> dict[str, float]:
+    def vsnap_save_weights(self, directory: str) -> dict[str, Any]:
         """Write the weights pool's tensors (pool_tensors) to DIRECTORY/rank<N>.bin (called while
         the weights are loaded); the worker keeps the views to refill after a wake."""
         start = time.monotonic()
@@ -425,8 +426,11 @@ class WeightsFileExtension:
         self._vsnap_layout = layout(named)
         self._vsnap_targets = [t for _, t in named]
         parameters = sum(1 for name, _ in named if not name.startswith("tensor@"))
+        others = sorted(((t.numel(), name) for name, t in named if name.startswith("tensor@")), reverse=True)
         return {"weights_bytes": float(path.stat().st_size), "weights_save_s": time.monotonic() - start,
-                "tensors": float(len(named)), "parameter_storages": float(parameters)}
+                "tensors": float(len(named)), "parameter_storages": float(parameters),
+                "other_bytes": float(sum(n for n, _ in others)),
+                "largest_others": "; ".join(f"{name} {n / 1e6:.1f} MB" for n, name in others[:4])}
 
     def vsnap_start_loading_weights(self, directory: str) -> None:
         """Start streaming DIRECTORY/rank<N>.bin into the (awake, empty) weights pool in the
