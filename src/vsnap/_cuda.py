@@ -141,11 +141,29 @@ def gpu_pair_candidates(gpu_pairs: list[tuple[str, str]]) -> list[list[tuple[str
         _, _, gpus = gpu_facts()
     except Exception:
         gpus = []
-    swap = {old: new for old, new in gpu_pairs}
-    swap.update({new: old for old, new in gpu_pairs if new not in swap})
-    every = [(g["uuid"], swap.get(g["uuid"], g["uuid"])) for g in gpus]
+    every = complete_permutation(gpu_pairs, [str(g["uuid"]) for g in gpus])
     candidates = [every] if every and set(every) != set(gpu_pairs) else []
     return candidates + [list(gpu_pairs)]
+
+
+def complete_permutation(gpu_pairs: list[tuple[str, str]], uuids: list[str]) -> list[tuple[str, str]]:
+    """Every GPU of ``uuids`` mapped, one to one: the pairs asked for, each other GPU onto itself
+    where no pair takes it, the rest onto the GPUs left free, in the host's order. Empty when the
+    pairs name a GPU this host lacks or map two GPUs onto one (then only the pairs are tried)."""
+    mapping = dict(gpu_pairs)
+    targets = [new for _, new in gpu_pairs]
+    if len(targets) != len(set(targets)) or not set(mapping) | set(targets) <= set(uuids):
+        return []
+    free = [u for u in uuids if u not in set(targets)]
+    rest = [u for u in uuids if u not in mapping]
+    for uuid in rest:
+        if uuid in free:
+            mapping[uuid] = uuid
+            free.remove(uuid)
+    for uuid in rest:
+        if uuid not in mapping:
+            mapping[uuid] = free.pop(0)
+    return [(u, mapping[u]) for u in uuids]
 
 
 def _uuid_bytes(text: str) -> bytes:

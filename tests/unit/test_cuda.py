@@ -14,6 +14,24 @@ def test_gpu_pair_candidates_try_a_full_permutation_first(monkeypatch: pytest.Mo
     ]
 
 
+@pytest.mark.parametrize("pairs,expected", [
+    ([("A", "B")], [("A", "B"), ("B", "A"), ("C", "C"), ("D", "D")]),
+    # two pairs (a TP=2 tree onto another pair): each GPU taken exactly once
+    ([("A", "C"), ("B", "D")], [("A", "C"), ("B", "D"), ("C", "A"), ("D", "B")]),
+    ([("A", "B"), ("B", "C")], [("A", "B"), ("B", "C"), ("C", "A"), ("D", "D")]),
+    ([("A", "A"), ("B", "C")], [("A", "A"), ("B", "C"), ("C", "B"), ("D", "D")]),
+    ([("A", "B"), ("C", "B")], []),  # two onto one: not a permutation
+    ([("A", "E")], []),  # a GPU this host lacks
+])
+def test_complete_permutation_maps_every_gpu_once(pairs: list, expected: list) -> None:
+    from vsnap import _cuda
+
+    got = _cuda.complete_permutation(pairs, ["A", "B", "C", "D"])
+    assert got == expected
+    if got:
+        assert sorted(new for _, new in got) == ["A", "B", "C", "D"]
+
+
 def test_uuid_round_trip() -> None:
     from vsnap import _cuda
 
