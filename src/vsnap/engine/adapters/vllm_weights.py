@@ -1,8 +1,8 @@
 """The model's weights as one flat file per rank, written at capture, streamed back at restore.
 
 vLLM's own reload after sleep level 2 runs its model loader again: safetensors through pageable
-copies and the model's weight-loading code, about 6 GB/s on an H200 (and for models quantized at
-load, LoRA slots or MoE tables, not all of the loaded state). This file holds every tensor of the
+copies and the model's weight-loading code, about 6 GB/s on an H200 (and in vLLM 0.26 it cannot
+reload a LoRA-wrapped model at all). This file holds every tensor of the
 sleep allocator's weights pool exactly as it sits on the GPU once loaded and processed (each
 storage whole, in address order: parameters, quantization scales, LoRA slots; see pool_tensors),
 so a restore only has to move bytes: several threads read pieces of the file into pinned host
@@ -394,7 +394,7 @@ def fingerprint(named: list[tuple[str, Any]]) -> dict[str, int]:
 
     sums = {}
     for name, tensor in named:
-        flat = tensor.detach().reshape(-1).view(torch.uint8) if tensor.is_contiguous() else storage_view(tensor)
+        flat = flat_bytes(tensor) if tensor.is_contiguous() else storage_view(tensor)
         words = flat[: flat.numel() // 4 * 4].view(torch.int32)
         sums[name] = int(words.sum(dtype=torch.int64).item()) + int(flat[words.numel() * 4:].sum().item())
     return sums
