@@ -136,11 +136,13 @@ def _dependencies(pids: list[int], model_dir: Path, control_dir: Path) -> list[D
     paths = {p for p in mapped_and_open_files(pids) if not p.startswith(str(control_dir) + "/")}
     paths |= {str(p) for p in model_dir.rglob("*") if p.is_file()}
     ordered = sorted(paths)
+    statted_at = time.time_ns()
     before = {path: os.stat(path) for path in ordered}
     with ThreadPoolExecutor(max_workers=HASH_THREADS) as pool:
         digests = list(pool.map(lambda path: sha256_file(Path(path)), ordered))
     # a restore on this host compares the sha256 of each without reading it again (_verified)
-    verified.remember_dependencies({path: (before[path], digest) for path, digest in zip(ordered, digests)})
+    verified.remember_dependencies({path: (before[path], digest) for path, digest in zip(ordered, digests)},
+                                   statted_at_ns=statted_at)
     return [Dependency(path=path, size=before[path].st_size, sha256=digest) for path, digest in zip(ordered, digests)]
 
 

@@ -9,6 +9,7 @@ import os
 import platform
 import socket
 import stat
+import time
 from dataclasses import dataclass
 from typing import Callable
 from importlib import metadata
@@ -298,6 +299,7 @@ def dependency_mismatches(dependencies: list[Dependency], *, hash_files: bool, c
     checked: set[Path] = set()
     known = verified.load_dependencies(cache_root) if cache_root is not None and not rehash else {}
     to_hash: dict[str, tuple[os.stat_result, str]] = {}
+    statted_at = time.time_ns()
     for dep in dependencies:
         path = Path(dep.path)
         problem = untrusted_file(path, checked) if path.exists() else None
@@ -333,7 +335,7 @@ def dependency_mismatches(dependencies: list[Dependency], *, hash_files: bool, c
             else:
                 matched[path] = (st, want)
         if matched and cache_root is not None:
-            verified.remember_dependencies(matched, cache_root)
+            verified.remember_dependencies(matched, cache_root, statted_at)
     order = {f"file {dep.path}": index for index, dep in enumerate(dependencies)}
     return sorted(mismatches, key=lambda m: order.get(m[0], len(order)))
 

@@ -321,6 +321,7 @@ def verify_files(image_dir: Path, manifest: Manifest, *, cache_root: Path | None
     known = verified.load(image_dir, cache_root) if cache_root is not None and not rehash else {}
     to_hash: dict[str, int] = {}
     stats: dict[str, os.stat_result] = {}
+    statted_at = time.time_ns()
     for rel, entry in manifest.files.items():
         path = image_dir / rel
         try:
@@ -343,5 +344,5 @@ def verify_files(image_dir: Path, manifest: Manifest, *, cache_root: Path | None
             raise ImageTampered(rel, f"digest {manifest.files[rel].digest[:16]}…", f"digest {digest[:16]}…")
     if cache_root is not None and digests:
         verified.remember(image_dir, {rel: (stats[rel], entry.digest) for rel, entry in manifest.files.items()},
-                          cache_root)
+                          cache_root, statted_at)
     return sorted(digests)

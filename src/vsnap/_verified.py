@@ -4,7 +4,11 @@ A restore must know every image file is the one the manifest names before CRIU r
 takes about 0.1 s per GB on 16 cores; an 8B image with its weights file is ~20 GB. So a file is
 hashed in full once (at capture, by the first restore, or by ``vsnap validate``), and its identity
 is remembered as (device, inode, size, mtime, ctime): any write or chmod changes ctime, which
-no one but the kernel sets (short of changing the system clock, which needs root). A file is
+no one but the kernel sets (short of changing the system clock, which needs root). Only a file
+whose ctime was already older than its stat by a margin is remembered (git's "racily clean"
+problem): the kernel stamps files from a coarse clock (one tick, up to 10 ms; on some filesystems
+a whole second), so a write in the same tick as the change before the stat would leave ctime as it
+was; such a file is hashed again next time, by when it is no longer recent. A file is
 only remembered when it is owned by this user and not writable by group or others, inside the
 image directory whose parent ``check_parent`` already requires to be private. The record lives
 under /run (tmpfs): a reboot forgets it, and the next restore hashes everything again.
@@ -16,6 +20,7 @@ import hashlib
 import json
 import os
 import stat
+import time
 from pathlib import Path
 
 from .protocol.control import write_atomic
@@ -30,6 +35,17 @@ def identity(st: os.stat_result) -> Identity | None:
     if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
         return None
     return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+FINE_MARGIN_NS = 100_000_000  # > one kernel tick (10 ms at HZ=100) and the coarse clock's lag
+COARSE_MARGIN_NS = 2_000_000_000  # filesystems that keep whole seconds (or two: FAT)
+
+
+def settled(st: os.stat_result, statted_at_ns: int) -> bool:
+    """Was the file's last change far enough before its stat (taken at ``statted_at_ns``, or
+    later) that any later write must change its ctime?"""
+    margin = COARSE_MARGIN_NS if st.st_ctime_ns % 1_000_000_000 == 0 else FINE_MARGIN_NS
+    return st.st_ctime_ns < statted_at_ns - margin
 
 
 def _record_path(image_dir: Path, root: Path) -> Path:
@@ -62,14 +78,18 @@ def still_verified(record: dict[str, dict], rel: str, st: os.stat_result, sha256
     return bool(known) and now is not None and known.get("identity") == now and known.get("sha256") == sha256
 
 
-def remember(image_dir: Path, digests: dict[str, tuple[os.stat_result, str]], root: Path = VERIFIED_DIR) -> None:
+def remember(image_dir: Path, digests: dict[str, tuple[os.stat_result, str]], root: Path = VERIFIED_DIR,
+             statted_at_ns: int | None = None) -> None:
     """Record files just hashed: rel path -> (their stat taken before hashing, the sha256 that
-    matched the manifest). A file whose stat changed meanwhile is not recorded."""
+    matched the manifest); ``statted_at_ns``: a time before those stats were taken (default: now,
+    for stats taken just before this call). A file whose stat changed meanwhile, or that changed
+    too shortly before its stat (settled), is not recorded."""
+    at = time.time_ns() if statted_at_ns is None else statted_at_ns
     files = {}
     for rel, (before, digest) in digests.items():
         ident = identity(before)
         try:
-            if ident is None or identity(os.lstat(image_dir / rel)) != ident:
+            if ident is None or not settled(before, at) or identity(os.lstat(image_dir / rel)) != ident:
                 continue
         except OSError:
             continue
@@ -117,15 +137,18 @@ def dependency_verified(record: dict[str, dict], path: str, st: os.stat_result, 
     return still_verified(record, path, st, sha256)
 
 
-def remember_dependencies(digests: dict[str, tuple[os.stat_result, str]], root: Path = VERIFIED_DIR) -> None:
+def remember_dependencies(digests: dict[str, tuple[os.stat_result, str]], root: Path = VERIFIED_DIR,
+                          statted_at_ns: int | None = None) -> None:
     """Record host files just hashed: path -> (their stat, following links, taken before hashing;
-    their sha256). A file whose stat changed meanwhile is not recorded; what was recorded before
-    for other paths is kept (a concurrent writer may drop an entry: it is only hashed again)."""
+    their sha256); ``statted_at_ns`` as for remember. A file whose stat changed meanwhile, or that
+    had not settled, is not recorded; what was recorded before for other paths is kept (a
+    concurrent writer may drop an entry: it is only hashed again)."""
+    at = time.time_ns() if statted_at_ns is None else statted_at_ns
     files = load_dependencies(root)
     for path, (before, digest) in digests.items():
         ident = identity(before)
         try:
-            if ident is None or identity(os.stat(path)) != ident:
+            if ident is None or not settled(before, at) or identity(os.stat(path)) != ident:
                 files.pop(path, None)
                 continue
         except OSError:

@@ -15,6 +15,13 @@ from tests.unit.fake_image import host_facts, manifest
 from vsnap import _host, _verified
 from vsnap._host import HostDifference, compare_facts, host_differences, require_host_matches
 from vsnap._manifest import Dependency
+
+
+@pytest.fixture
+def settled_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The files these tests write are seconds old at most: count them as settled (_verified)."""
+    monkeypatch.setattr(_verified, "FINE_MARGIN_NS", -10**12)
+    monkeypatch.setattr(_verified, "COARSE_MARGIN_NS", -10**12)
 from vsnap.cli import _render
 from vsnap.protocol.errors import ImageHostMismatch
 
@@ -149,6 +156,7 @@ def test_a_hostile_recorded_value_cannot_forge_lines_or_drive_the_terminal() -> 
         "  arch: image has 'a', host has 'b'"]
 
 
+@pytest.mark.usefixtures("settled_at_once")
 def test_dependencies_are_hashed_once_until_they_change(tmp_path: Path, deps: list[Path],
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     from vsnap import _image
@@ -175,6 +183,7 @@ def test_dependencies_are_hashed_once_until_they_change(tmp_path: Path, deps: li
     assert _host.dependency_mismatches(recorded, hash_files=False) == []  # sizes alone cannot tell
 
 
+@pytest.mark.usefixtures("settled_at_once")
 def test_a_dependency_record_others_could_write_is_ignored(tmp_path: Path, deps: list[Path]) -> None:
     cache = tmp_path / "verified"
     _verified.remember_dependencies({str(deps[0]): (os.stat(deps[0]), "0" * 64)}, cache)

@@ -1,13 +1,28 @@
 """A restore re-hashes an image file only when it may have changed since this host hashed it."""
 
 import os
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+from vsnap import _verified
 from vsnap.protocol.errors import ImageTampered, ImageUntrusted
 from vsnap._image import checksum_tree, verify_files
+
+
+@pytest.fixture(autouse=True)
+def settled_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The files these tests write are seconds old at most: count them as settled (tests that are
+    about the margin put it back)."""
+    monkeypatch.setattr(_verified, "FINE_MARGIN_NS", -10**12)
+    monkeypatch.setattr(_verified, "COARSE_MARGIN_NS", -10**12)
+
+
+def _real_margins(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_verified, "FINE_MARGIN_NS", 100_000_000)
+    monkeypatch.setattr(_verified, "COARSE_MARGIN_NS", 2_000_000_000)
 
 
 def _image(tmp_path: Path) -> tuple[Path, SimpleNamespace]:
@@ -29,10 +44,15 @@ def test_unchanged_files_are_not_hashed_twice(tmp_path: Path) -> None:
     assert len(verify_files(image, manifest)) == 2  # without a cache: everything, every time
 
 
-def test_a_write_that_keeps_size_and_mtime_is_still_caught(tmp_path: Path) -> None:
+def test_a_write_that_keeps_size_and_mtime_is_still_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Remembered once settled; a later write changes ctime even with size and mtime put back."""
+    _real_margins(monkeypatch)
     image, manifest = _image(tmp_path)
     cache = tmp_path / "verified"
-    verify_files(image, manifest, cache_root=cache)
+    coarse = os.stat(image / "weights" / "rank0.bin").st_ctime_ns % 1_000_000_000 == 0
+    time.sleep(2.2 if coarse else 0.15)  # older than the margin: the record will vouch for them
+    assert verify_files(image, manifest, cache_root=cache) == ["criu/pages-1.img", "weights/rank0.bin"]
+    assert verify_files(image, manifest, cache_root=cache) == []  # remembered
     target = image / "weights" / "rank0.bin"
     before = target.stat()
     with open(target, "r+b") as f:
@@ -41,6 +61,22 @@ def test_a_write_that_keeps_size_and_mtime_is_still_caught(tmp_path: Path) -> No
     with pytest.raises(ImageTampered, match="weights/rank0.bin"):
         verify_files(image, manifest, cache_root=cache)
     assert not list(cache.iterdir())  # the record is dropped with the failure
+
+
+def test_a_file_changed_just_before_its_hash_is_not_remembered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write in the same clock tick as the change before the stat would keep ctime: a file whose
+    ctime is less than the margin older than its stat is not remembered (so hashed again)."""
+    _real_margins(monkeypatch)
+    image, manifest = _image(tmp_path)
+    cache = tmp_path / "verified"
+    rel = "weights/rank0.bin"
+    st = os.lstat(image / rel)
+    margin = 2_000_000_000 if st.st_ctime_ns % 10**9 == 0 else 100_000_000
+    digest = manifest.files[rel].digest
+    _verified.remember(image, {rel: (st, digest)}, cache, statted_at_ns=st.st_ctime_ns + margin // 2)
+    assert _verified.load(image, cache) == {}
+    _verified.remember(image, {rel: (st, digest)}, cache, statted_at_ns=st.st_ctime_ns + margin + 1)
+    assert list(_verified.load(image, cache)) == [rel]
 
 
 def test_files_writable_by_others_are_refused_before_any_hashing(tmp_path: Path) -> None:
