@@ -49,6 +49,8 @@ def _require_supported_args(spec: ModelSpec, source: str) -> str:
     refusals = vllm_rules.argument_refusals(args, environ={**os.environ, "VLLM_WORKER_MULTIPROC_METHOD": "spawn"})
     if refusals:
         raise _issues(source, refusals)
+    if args.model != str(spec.model):  # vsnap put --model first and refuses values that look like options
+        raise _issues(source, [vllm_rules.Refusal("serve", f"vLLM would load {args.model}, not model: {spec.model}")])
     for module in getattr(args, "lora_modules", None) or []:  # read by the engine, as root, like the model
         require_trusted_model(Path(module.path))
     # the resolved configuration (vLLM's own config; reads the model's config.json, loads nothing):

@@ -256,3 +256,22 @@ def test_validate_spec_refuses_a_cpu_head_size(tiny_llama_hd48: Path, tmp_path: 
     [issue] = info.value.issues
     assert str(issue).startswith(str(spec_path)) and "head size 48 is not one vLLM's CPU attention supports" in str(issue)
 
+
+# The spec is hostile input and the engine runs as root: what its serve arguments may name.
+
+@pytest.mark.parametrize("serve", [
+    {"served_model_name": ["m", "--model", "/elsewhere"]},  # a second --model wins over vsnap's
+    {"served_model_name": ["m", "--config", "/etc/shadow"]},  # vLLM's parser reads a YAML file as root
+    {"enforce_eager": "--model=/elsewhere"},
+    {"tokenizer": "-O3"},
+])
+def test_a_value_read_as_another_argument_is_refused(tiny_llama: Path, serve: dict) -> None:
+    """serve_argv passes values as argv items: one that starts with '-' is an option to vLLM's
+    parser (FlexibleArgumentParser even reads --config's file before parsing). Without the rule
+    a second --model replaced the model vsnap had checked, and --config FILE quoted the file's
+    keys back in the parse error."""
+    [key] = serve
+    args, refusals = vllm_rules.parse_serve_args(str(tiny_llama), serve, cuda=False, environ={})
+    assert args is None and [str(r) for r in refusals] == [
+        f"serve.{key}: a value must not start with '-': vLLM's parser would read it as another argument "
+        "(such as --config FILE or a second --model)"]

@@ -17,6 +17,9 @@ them a GPU record has tested and which are allowed on the rehearsal's word.
 The same rules hold for vLLM 0.26.0 and 0.32.0; the names that moved between them come from
 vllm_compat.
 
+The engine runs as root and a model.yaml may come from anyone: no serve value may start with
+``-``, which vLLM's parser would read as another argument (``--config FILE``, a second ``--model``).
+
 Every refusal is a ``Refusal(argument, reason)``; callers turn them into SpecError (at
 validate/capture time) or an engine error (inside the tree). vllm is imported lazily.
 """
@@ -57,6 +60,16 @@ LOAD_BALANCING_FLAGS = (
 )
 # set by vsnap itself: a spec must not try to
 RESERVED = ("model", "model_tag", "host", "port", "enable_sleep_mode", "config")
+
+
+def value_refusals(argument: str, dest: str, value: Any) -> list[Refusal]:
+    """What a spec may not give one serve argument, decided on the value as written (before vLLM's
+    parser sees it)."""
+    items = value if isinstance(value, list) else [value]
+    if any(isinstance(item, str) and item.startswith("-") for item in items):
+        return [Refusal(argument, "a value must not start with '-': vLLM's parser would read it as another "
+                                  "argument (such as --config FILE or a second --model)")]
+    return []
 
 
 def ensure_platform() -> None:
@@ -100,6 +113,10 @@ def serve_argv(parser: argparse.ArgumentParser, serve: dict[str, Any]) -> tuple[
         action = actions.get(dest)
         if action is None or not action.option_strings:
             refusals.append(Refusal(f"serve.{key}", "is not a vLLM serve argument"))
+            continue
+        refused = value_refusals(f"serve.{key}", dest, value)
+        if refused:
+            refusals += refused
             continue
         flag = next((s for s in action.option_strings if s.startswith("--")), action.option_strings[0])
         if isinstance(value, bool):
