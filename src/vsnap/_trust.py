@@ -276,27 +276,98 @@ def untrusted_file(path: Path, checked: set[Path] | None = None) -> str | None:
     return None
 
 
-def require_trusted_model(model_dir: Path) -> Path:
+def require_trusted_model(model_dir: Path, what: str = "the model") -> Path:
     """The model directory as given (every component: a link among them must be root's), its real
     directory, everything in it and what its links point to are root's alone. Returns the real
-    path, the one a capture records and the engine reopens (never one someone else can re-point)."""
+    path, the one a capture records and the engine reopens (never one someone else can re-point).
+    ``what`` names it in the refusal (a LoRA adapter, a tokenizer: "the serve.tokenizer")."""
     require_trusted_ancestors(Path(model_dir) / "x")  # model_dir itself too, by lstat
     model_dir = Path(os.path.realpath(model_dir))
     checked: set[Path] = set()
     problem = untrusted_file(model_dir, checked)
     if problem:
-        raise ImageUntrusted(model_dir, f"the model directory is {problem}", hint=MODEL_HINT)
+        raise ImageUntrusted(model_dir, f"{what} directory is {problem}", hint=MODEL_HINT)
     for dirpath, dirnames, filenames in os.walk(model_dir, followlinks=False):
         for name in dirnames + filenames:
             path = Path(dirpath) / name
             link = os.lstat(path)
             if stat.S_ISLNK(link.st_mode) and link.st_uid != os.geteuid():
-                raise ImageUntrusted(path, f"is a symlink owned by uid {link.st_uid} in the model directory",
+                raise ImageUntrusted(path, f"is a symlink owned by uid {link.st_uid} in {what} directory",
                                      hint=MODEL_HINT)
             problem = untrusted_file(path, checked)
             if problem:
-                raise ImageUntrusted(path, f"a file of the model is {problem}", hint=MODEL_HINT)
+                raise ImageUntrusted(path, f"a file of {what} is {problem}", hint=MODEL_HINT)
     return model_dir
+
+
+FILE_HINT = ("the engine reads it as root: chown root and chmod go-w it (and the directories above it), or copy it "
+             "into a directory of root's")
+
+
+def require_trusted_file(path: Path, what: str) -> Path:
+    """One file the engine reads as root (a chat template, a TLS key): the path as given and the real
+    file are root's alone (untrusted_file), and it is a regular file (not a FIFO or a device, which
+    could block or never end). Returns the real path."""
+    problem = untrusted_file(Path(path))
+    if problem:
+        raise ImageUntrusted(path, f"{what} {problem}" if problem.startswith("cannot") else f"{what} is {problem}",
+                             hint=FILE_HINT)
+    real = Path(os.path.realpath(path))
+    if not stat.S_ISREG(os.stat(real).st_mode):
+        raise ImageUntrusted(path, f"{what} is not a regular file", hint="point it at a file")
+    return real
+
+
+def require_trusted_path(path: Path, what: str) -> Path:
+    """A directory (every file in it: require_trusted_model) or a single file (require_trusted_file)."""
+    if os.path.isdir(path):
+        return require_trusted_model(path, what)
+    return require_trusted_file(path, what)
+
+
+def unreadable_by_others(path: Path) -> str | None:
+    """Why a user other than root could not read ``path`` (its real file not readable by others, or
+    a directory above it they cannot enter), or None. For a file whose text the engine hands to
+    every HTTP client: naming one only root may read (/etc/shadow) would disclose it."""
+    real = Path(os.path.realpath(path))
+    mode = stat.S_IMODE(os.stat(real).st_mode)
+    if not mode & stat.S_IROTH:
+        return f"{real} has mode {mode:04o}: only root may read it"
+    for directory in real.parents:
+        mode = stat.S_IMODE(os.stat(directory).st_mode)
+        if not mode & stat.S_IXOTH:
+            return f"{directory} has mode {mode:04o}: others cannot reach {real}"
+    return None
+
+
+def untrusted_module(qualname: str, search_path: Iterable[str], roots: Iterable[str]) -> str | None:
+    """Why importing the module of ``qualname`` (package.module.Class) in the engine could run code
+    other than what root installed, or None. It is looked up as the import system would, without
+    importing anything (a package's __init__ is code): the first match on ``search_path`` for each
+    part must be a regular package or module with a file inside one of ``roots`` (root's
+    site-packages), and that file, its cached bytecode and the directories above it root's alone. A
+    namespace package (no __init__: its parts may lie anywhere on the path) is refused."""
+    from importlib.machinery import PathFinder
+
+    roots = list(roots)
+    real_roots = [os.path.realpath(root) for root in roots]
+    path: list[str] | None = [entry for entry in search_path if entry]
+    name = ""
+    for part in qualname.split(".")[:-1]:
+        name = f"{name}.{part}" if name else part
+        spec = PathFinder.find_spec(name, path)
+        if spec is None or not spec.has_location or not spec.origin:
+            return f"{name} is not a module or regular package on the engine's path"
+        origin = os.path.realpath(spec.origin)
+        if not any(origin.startswith(root + os.sep) for root in real_roots):
+            return f"{name} is {spec.origin}, not a module installed in {', '.join(roots)}"
+        cache = os.path.dirname(spec.cached) if spec.cached else None  # where a planted .pyc would be loaded from
+        for file in (spec.origin, cache, spec.cached):
+            problem = untrusted_file(Path(file)) if file and os.path.lexists(file) else None
+            if problem:
+                return f"{file} is {problem}"
+        path = list(spec.submodule_search_locations or [])
+    return None
 
 
 

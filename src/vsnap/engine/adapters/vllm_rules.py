@@ -17,6 +17,15 @@ them a GPU record has tested and which are allowed on the rehearsal's word.
 The same rules hold for vLLM 0.26.0 and 0.32.0; the names that moved between them come from
 vllm_compat.
 
+The engine runs as root and a model.yaml may come from anyone, so serve arguments through which
+the spec would choose code for the engine to run, or a path for it to write, are refused by name
+before vLLM's parser sees them (parsing some of them already imports what they name:
+``compilation_config.inductor_passes``); no value may start with ``-`` (it would be read as another
+argument: ``--config FILE``, a second ``--model``). The files and directories the engine reads
+(tokenizer, chat template, draft model, adapters, TLS files...) must be given as absolute paths
+(``paths_read``); that they are root's alone is checked on the filesystem by the orchestrator
+(vsnap._vllm_check), which the engine side may not import.
+
 Every refusal is a ``Refusal(argument, reason)``; callers turn them into SpecError (at
 validate/capture time) or an engine error (inside the tree). vllm is imported lazily.
 """
@@ -27,6 +36,7 @@ import argparse
 import json
 import os
 import platform
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +67,158 @@ LOAD_BALANCING_FLAGS = (
 )
 # set by vsnap itself: a spec must not try to
 RESERVED = ("model", "model_tag", "host", "port", "enable_sleep_mode", "config")
+
+# Serve arguments refused whenever the spec gives them a value (an empty one aside), each with why:
+# the engine runs as root, so what they name would be imported, read or written as root.
+CODE = "code of the spec's choosing would run as root"
+TRANSFER = "connects the engine to other processes or hosts, which a snapshot cannot carry"
+REFUSED_ARGUMENTS: dict[str, str] = {
+    "tool_parser_plugin": f"vLLM imports this Python file or module: {CODE}",
+    "reasoning_parser_plugin": f"vLLM imports this Python file or module: {CODE}",
+    "middleware": f"vLLM imports these objects by name into the HTTP server: {CODE}",
+    "logits_processors": f"vLLM imports these classes by name: {CODE}",
+    "scheduler_cls": f"vLLM imports this class by name: {CODE}",
+    "model_class_overrides": f"vLLM imports these model classes by name: {CODE}",
+    "io_processor_plugin": f"vLLM loads this plugin (for pooling models, which snapshots do not serve): {CODE}",
+    "log_config_file": "a logging configuration can build any Python object by name and open any file for writing, "
+                       "as root",
+    "download_dir": "vLLM would download and write files into this directory as root; the model comes from model:",
+    "allowed_local_media_path": "every HTTP client could make the root engine read files below this directory "
+                                "(and multimodal models are not supported)",
+    "mm_encoder_fp8_scale_path": "multimodal models are not supported (the root engine would read this file)",
+    "mm_encoder_fp8_scale_save_path": "multimodal models are not supported (the root engine would write this file)",
+    "default_mm_loras": "multimodal models are not supported (the root engine would load adapters from these paths)",
+    "tool_server": "connects the engine to tool servers, or (demo) runs model-written Python: a snapshot cannot "
+                   f"carry the connections, and {CODE}",
+    "otlp_traces_endpoint": "the engine would send its traces to this collector; a snapshot cannot carry the "
+                            "exporter's connection",
+    "profiler_config": "the profiler writes its traces into a directory the spec names, as root",
+    "kv_transfer_config": f"KV transfer {TRANSFER}, and its connector module is imported by name",
+    "ec_transfer_config": f"EC transfer {TRANSFER}, and its connector module is imported by name",
+    "kv_events_config": "KV cache events are published on a socket, which a snapshot cannot carry",
+}
+# Fields of the JSON-valued arguments refused in the same way (keys with "-" count as with "_").
+REFUSED_FIELDS: dict[tuple[str, str], str] = {
+    ("compilation_config", "inductor_passes"): f"vLLM imports these functions by name while it parses: {CODE}",
+    ("compilation_config", "cache_dir"): "compiled code would be written into this directory and loaded back from "
+                                         "it, as root (vsnap keeps vLLM's compile cache in /var/cache/vsnap/vllm)",
+    ("compilation_config", "local_cache_dir"): "compiled code would be written into this directory and loaded back "
+                                               "from it, as root",
+    ("compilation_config", "debug_dump_path"): "vLLM would write its debug dumps there, as root",
+    ("speculative_config", "draft_load_config"): "the draft model is loaded like the model (auto or safetensors, "
+                                                 "from its directory): no loader settings of its own",
+    ("structured_outputs_config", "reasoning_parser_plugin"): f"vLLM imports this Python file or module: {CODE}",
+    ("logging_config", "pylogging_config_file"): "a logging configuration can build any Python object by name and "
+                                                 "open any file for writing, as root",
+    ("ec_manager_config", "encoder_cache_manager_cls"): f"vLLM imports this class by name: {CODE}",
+}
+# Names that, on an argument or a field nobody has classified above (a vLLM newer than the ones
+# read: 0.26.0, 0.32.0), say it names a file, a directory, a module or a class: refused until it is.
+SUSPECT_NAME = re.compile(r"(^|_)(cls|class|path|paths|dir|dirs|file|files|module|plugin|plugins|passes|"
+                          r"endpoint|url|uri)$")
+# checked below (paths_read, worker_extension_cls), or harmless (root_path: the URL prefix behind a proxy)
+NOT_SUSPECT = ("worker_extension_cls", "hf_config_path", "root_path")
+SUSPECT = "names a file, a directory, a module or a class, which vsnap has not been taught to check"
+QUALNAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+")
+# vsnap's own extension (vllm_weights.EXTENSION), set by the engine when the spec sets none
+VSNAP_WORKER_EXTENSION = "vsnap.engine.adapters.vllm_weights.WeightsFileExtension"
+
+
+def _unset(value: Any) -> bool:
+    return value is None or value is False or value in ("", [], {})
+
+
+def _suspect(name: str, value: Any) -> bool:
+    """A name that says "a file, a module, a class" given a value that could be one (not a flag)."""
+    return bool(SUSPECT_NAME.search(name)) and not isinstance(value, bool) and not _unset(value)
+
+
+def _mapping(value: Any, config: bool) -> tuple[dict[str, Any] | None, str | None]:
+    """The mapping a JSON-valued argument holds (given as a mapping, or as a JSON object in a string,
+    as vLLM reads it), or why it cannot be read as one. ``config``: vLLM reads it as one of its
+    config dataclasses, whose parser also takes what json does not (1k for 1000): such a string
+    must be plain JSON, or a mapping."""
+    if isinstance(value, dict):
+        return value, None
+    if not isinstance(value, str) or not value.lstrip().startswith("{"):
+        return None, None
+
+    twice: list[str] = []
+
+    def pairs_hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        keys = [key for key, _ in pairs]
+        twice.extend(key for key in set(keys) if keys.count(key) > 1)
+        return dict(pairs)
+
+    try:
+        mapping = json.loads(value, object_pairs_hook=pairs_hook)
+    except ValueError as exc:  # a config dataclass may still read it: not unchecked; anything else: vLLM's error
+        return None, (f"is not a JSON object vsnap can check ({exc}): give it as a mapping" if config else None)
+    if twice:  # which one counts is the parser's choice: give each once
+        return None, f"is a JSON object that gives {', '.join(sorted(twice))} twice"
+    return mapping, None
+
+
+def _field_refusals(argument: str, dest: str, mapping: dict[str, Any], top: bool = True) -> list[Refusal]:
+    """The fields of one JSON-valued argument (``top``) or of a mapping nested in it."""
+    refusals: list[Refusal] = []
+    for key, value in mapping.items():
+        name = str(key).replace("-", "_")
+        where = f"{argument}.{key}"
+        reason = REFUSED_FIELDS.get((dest, name)) if top else None
+        if reason is not None and not _unset(value):
+            refusals.append(Refusal(where, reason))
+        elif name == "trust_remote_code" and value:
+            refusals.append(Refusal(where, "vsnap runs the engine as root: the model's own Python code would run "
+                                           "as root"))
+        elif top and dest == "compilation_config" and name == "backend" and "." in str(value):
+            refusals.append(Refusal(where, f"a backend given by its qualified name is imported: {CODE} (name a "
+                                           "registered backend: inductor, eager)"))
+        elif top and dest == "compilation_config" and name == "inductor_compile_config" and isinstance(value, dict):
+            refusals += [Refusal(f"{where}.{option}", "only true/false and numbers: a string or a list here can "
+                                                      "name a compiler, a kernel directory or an output path")
+                         for option, setting in value.items() if not isinstance(setting, (bool, int, float))]
+        elif top and dest == "speculative_config" and name == "method" and value == "custom_class":
+            refusals.append(Refusal(where, f"a custom proposer class is imported by name: {CODE}"))
+        elif _suspect(name, value) and (dest, name) not in REFUSED_FIELDS:
+            refusals.append(Refusal(where, SUSPECT))
+        elif isinstance(value, dict):
+            refusals += _field_refusals(where, dest, value, top=False)
+        elif isinstance(value, list):
+            for item in value:
+                if isinstance(item, dict):
+                    refusals += _field_refusals(where, dest, item, top=False)
+    return refusals
+
+
+def value_refusals(argument: str, dest: str, value: Any, config: bool = False) -> list[Refusal]:
+    """What a spec may not give one serve argument, decided on the value as written (before vLLM's
+    parser sees it: parsing some arguments already imports what they name). ``config``: vLLM parses
+    the argument into one of its config dataclasses."""
+    items = value if isinstance(value, list) else [value]
+    if any(isinstance(item, str) and item.startswith("-") for item in items):
+        return [Refusal(argument, "a value must not start with '-': vLLM's parser would read it as another "
+                                  "argument (such as --config FILE or a second --model)")]
+    if dest in REFUSED_ARGUMENTS:
+        return [] if _unset(value) else [Refusal(argument, REFUSED_ARGUMENTS[dest])]
+    if dest == "worker_cls":
+        return [] if value in (None, "", "auto") else [
+            Refusal(argument, f"vLLM imports this worker class by name: {CODE} (vsnap needs vLLM's own worker: auto)")]
+    if dest == "worker_extension_cls":
+        if _unset(value) or value == VSNAP_WORKER_EXTENSION:
+            return []
+        if not isinstance(value, str) or not QUALNAME.fullmatch(value) or "__main__" in value.split("."):
+            return [Refusal(argument, "must be package.module.Class, the qualified name of a class in a module "
+                                      "installed in root's site-packages")]
+        return []  # where it resolves, _vllm_check decides (root's own site-packages only)
+    if dest == "spec_method" and value == "custom_class":
+        return [Refusal(argument, f"a custom proposer class is imported by name: {CODE}")]
+    if _suspect(dest, value) and dest not in NOT_SUSPECT:
+        return [Refusal(argument, SUSPECT)]
+    mapping, problem = _mapping(value, config)
+    if problem:
+        return [Refusal(argument, problem)]
+    return _field_refusals(argument, dest, mapping) if mapping else []
 
 
 def ensure_platform() -> None:
@@ -100,6 +262,10 @@ def serve_argv(parser: argparse.ArgumentParser, serve: dict[str, Any]) -> tuple[
         action = actions.get(dest)
         if action is None or not action.option_strings:
             refusals.append(Refusal(f"serve.{key}", "is not a vLLM serve argument"))
+            continue
+        refused = value_refusals(f"serve.{key}", dest, value, getattr(action.type, "__name__", "") == "parse_dataclass")
+        if refused:
+            refusals += refused
             continue
         flag = next((s for s in action.option_strings if s.startswith("--")), action.option_strings[0])
         if isinstance(value, bool):
@@ -204,7 +370,60 @@ def argument_refusals(args: argparse.Namespace, environ: dict[str, str] | None =
         refuse("platform", f"snapshots need Linux x86_64, not {platform.system()} {platform.machine()}")
     if env.get("VLLM_WORKER_MULTIPROC_METHOD", "spawn") != "spawn":
         refuse("VLLM_WORKER_MULTIPROC_METHOD", "snapshots need spawned workers")
+    for argument, path in paths_read(args):
+        # vLLM reads a relative path from the engine's directory (/), `~` from a home directory, and a
+        # name that is no local path from the Hugging Face hub: none is what vsnap would have checked
+        if not os.path.isabs(path):
+            speculative = argument in ("speculative_config.model", "spec_model")
+            hint = SPECULATIVE_HINT if speculative and QUALNAME.fullmatch(path) else ""
+            refuse(argument, f"{path!r} must be an absolute path (the engine reads it as root, and vsnap checks that "
+                             f"it is root's alone){hint}")
     return refusals
+
+
+# speculative_config.model values that name a method, not a draft model
+SPECULATIVE_NAMES = ("ngram", "[ngram]", "ngram_gpu", "suffix", "extract_hidden_states")
+SPECULATIVE_HINT = "; a dotted name would be imported as a proposer class"
+# vLLM reads a chat_template as a file unless opening it fails and it holds one of these
+TEMPLATE_CHARS = "{}\n"
+
+
+def inline_template(value: str) -> bool:
+    """Is this chat_template given as the template itself? vLLM first tries to open any value as a
+    file (relative to the engine's working directory, /); an inline one must hold ``{``, ``}`` or a
+    newline, and must not start with ``/`` (vsnap reads those as paths). Whether its first
+    component exists in / (only root can make it so) is the orchestrator's check."""
+    return any(c in value for c in TEMPLATE_CHARS) and not value.startswith("/")
+
+
+def paths_read(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(argument, path) for every file or directory besides the model that the parsed arguments make
+    the engine read as root: all must be absolute (argument_refusals) and root's alone
+    (vsnap._vllm_check). The chat template's text also reaches every HTTP client (rendered into the
+    prompts /tokenize returns), so the orchestrator also requires that anyone may read it."""
+    found: list[tuple[str, str]] = []
+
+    def add(argument: str, value: Any) -> None:
+        if isinstance(value, str) and value:
+            found.append((argument, value))
+
+    for name in ("tokenizer", "hf_config_path", "ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
+        add(name, getattr(args, name, None))
+    if getattr(args, "generation_config", "auto") not in ("auto", "vllm"):
+        add("generation_config", args.generation_config)
+    template = getattr(args, "chat_template", None)
+    if template and not inline_template(template):
+        add("chat_template", template)
+    for module in getattr(args, "lora_modules", None) or []:
+        add(f"lora_modules {module.name}", module.path)
+    speculative = getattr(args, "speculative_config", None)
+    if isinstance(speculative, dict):
+        model = {key.replace("-", "_"): value for key, value in speculative.items()}.get("model")
+        if model not in SPECULATIVE_NAMES:
+            add("speculative_config.model", model)
+    if getattr(args, "spec_model", None) not in SPECULATIVE_NAMES:
+        add("spec_model", getattr(args, "spec_model", None))
+    return found
 
 
 def config_refusals(config: Any, *, is_cuda: bool) -> list[Refusal]:
