@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import gc
 import signal
 import sys
 from typing import Any, Callable, Sequence, TypeVar
@@ -161,7 +162,14 @@ from . import activate, bench, capture, images, inspect, ps, pull, push, restore
 
 
 def main() -> None:
-    app()
+    try:
+        app()
+    finally:
+        # The interpreter's exit runs several full garbage collections over every object the
+        # imports made (pydantic's schemas, typer, rich: ~40k): 60 to 90 ms of a command's wall time
+        # on a loaded 2-core VM. Frozen objects are not traversed again; what the exit does
+        # otherwise (atexit, thread joins, flushing) is unchanged.
+        gc.freeze()
 
 
 if __name__ == "__main__":
