@@ -40,7 +40,7 @@ from ._instances import (InstanceRecord, ProcessRef, new_instance_dir, prune_dea
 from ._proctree import (ProcessIdentity, alive, become_subreaper, identify, is_same, kill_tree, reap, tree_memory_bytes,
                         tree_pids)
 from ._shm import instance_shm_dir, put_back, remove_instance_shm, shm_dir_of
-from ._spec import require_safe_directory
+from ._paths import require_safe_directory
 from ._trust import copy_no_follow, make_trusted_dirs, require_trusted_ancestors, require_trusted_tree
 
 RESTORE_LOG = "restore.log"
