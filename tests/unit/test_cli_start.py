@@ -103,7 +103,7 @@ def test_main_freezes_the_objects_before_the_exit(monkeypatch: pytest.MonkeyPatc
 
 
 # Imported by a restore's command before its first phase no longer (each was measured: NOTES.md)
-NOT_ON_THE_RESTORE_PATH = ("yaml", "vsnap._spec", "psutil", "urllib.request", "http.client", "vsnap.cli.images",
+NOT_ON_THE_RESTORE_PATH = ("yaml", "vsnap._spec", "psutil", "urllib.request", "http.client", "rich", "vsnap.cli.images",
                            "vsnap.cli.validate", "vsnap.cli.ps", "vsnap.cli.bench")
 
 
