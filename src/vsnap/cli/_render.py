@@ -88,8 +88,8 @@ def _stderr_is_plain() -> bool:
     variables that make rich treat a file as one (rich.console.Console.is_terminal)."""
     if any(name in os.environ for name in ("FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE")):
         return False
-    if "IPython" in sys.modules or "stderr" in globals():
-        return False  # Jupyter, or a console someone made or put in place (tests do)
+    if "IPython" in sys.modules or "stderr" in globals() or sys.stderr is None:
+        return False  # Jupyter, a console someone made or put in place (tests do), or no stderr at all
     try:
         return not sys.stderr.isatty()
     except (AttributeError, ValueError):  # no stderr, or a closed one: rich says "no terminal" too
