@@ -5,6 +5,11 @@ if [ ! -d /tmp/site/vllm ]; then
   cat "$REPO"/.carry/vllm-parts-*/part-* > /tmp/vb.tar.xz && mkdir -p /tmp/site &&
     "$PY" -c "import tarfile; tarfile.open('/tmp/vb.tar.xz', mode='r:xz').extractall('/tmp/site', filter='data')" || exit 10
 fi
+# The carry holds no bytecode: a vsnap command imports pydantic from it before its first phase, and
+# where PYTHONDONTWRITEBYTECODE is set each command compiles it again (+890 M instructions, ~0.37 s
+# on the CPU VM: docs/benchmarks/NOTES.md, session 5). Compiled once here; a no-op when up to date.
+"$PY" -m compileall -q -j0 /tmp/site/pydantic /tmp/site/pydantic_core /tmp/site/annotated_types \
+  /tmp/site/typing_inspection "$REPO/src/vsnap" >/dev/null 2>&1 || true
 [ -x /opt/criu-bundle/bin/criu ] || tar xzf "$REPO/.carry/criu/criu-bundle.tar.gz" -C /opt || exit 11
 export PYTHONPATH=/tmp/site:$REPO/src
 export VSNAP_CRIU=/opt/criu-bundle/bin/criu

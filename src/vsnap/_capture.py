@@ -35,7 +35,8 @@ from ._proctree import LaunchedTree, is_same, kill_tree, launch_tree, mapped_and
 from ._trust import copy_no_follow, make_trusted_dirs, require_trusted_ancestors, require_trusted_model
 from ._netns import NETNS_KEY, netns_inode
 from ._shm import SHM, instance_shm_dir, remove_instance_shm, tree_shm_files
-from ._spec import ModelSpec, require_safe_directory
+from ._paths import require_safe_directory
+from ._spec import ModelSpec
 
 DEFAULT_MODEL_ROOT = Path("/var/lib/vsnap/models")
 CPU_MODEL_NAME = "cpu-tiny-v1"

@@ -34,7 +34,7 @@ from ._image import capture_lock_path, held_lock, readers_lock_path
 from ._instances import InstanceRecord, running_instances
 from ._origin import read_origin
 from ._manifest import CRIU_DIR, LOGS_DIR, MANIFEST, MAX_MANIFEST_BYTES, SHM_DIR, WEIGHTS_DIR, read_manifest
-from ._spec import DEFAULT_IMAGE_ROOT, require_safe_directory
+from ._paths import DEFAULT_IMAGE_ROOT, require_safe_directory
 from ._trust import require_inside, require_trusted_ancestors, require_trusted_tree
 from .protocol.errors import ImageBusy, ImageError, ImageTampered, ImageUntrusted, VsnapError
 

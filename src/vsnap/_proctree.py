@@ -18,10 +18,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
-
 from .protocol.errors import HostNotReady, ProcessTreeError
 
+# psutil (12 ms to import on a loaded 2-core VM) is imported by the functions that use it: a
+# restore of a CPU engine never does, and every command's start paid for it.
 PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -119,6 +119,8 @@ def launch_tree(control_dir: Path, instance_dir: Path, shm_dir: Path, env: dict[
                                    env={**env, "PYTHONSAFEPATH": "1"}, cwd="/", start_new_session=True)
     finally:
         os.close(log)
+    import psutil
+
     deadline = time.monotonic() + timeout_s
     try:
         while time.monotonic() < deadline:
@@ -142,6 +144,8 @@ def launch_tree(control_dir: Path, instance_dir: Path, shm_dir: Path, env: dict[
 def _abandon_launch(unshare: subprocess.Popen[bytes]) -> None:
     """End what launch_tree started: the namespace's PID 1 (unshare's own child: its PID cannot be
     reused before unshare reaps it), then unshare. Bounded waits."""
+    import psutil
+
     try:
         for child in psutil.Process(unshare.pid).children():
             kill_tree(child.pid)
@@ -154,6 +158,8 @@ def _abandon_launch(unshare: subprocess.Popen[bytes]) -> None:
 
 def tree_pids(root_pid: int) -> list[int]:
     """The root and all its descendants (host PIDs), root first; empty if the root is gone."""
+    import psutil
+
     try:
         root = psutil.Process(root_pid)
         return [root_pid] + [p.pid for p in root.children(recursive=True)]
@@ -219,6 +225,8 @@ def _wait_pidfds(fds: dict[int, int], timeout_s: float) -> list[int]:
 
 
 def alive(pid: int) -> bool:
+    import psutil
+
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:

@@ -35,7 +35,7 @@ from ._origin import record_origin
 from ._oci import (ALTERED_HINT, INCOMING, MAX_OCI_MANIFEST_BYTES, OCI_MANIFEST, Artifact, Layer, Reference,
                    match_manifest, parse_artifact, parse_reference, sha256_digest)
 from ._registry import RegistryClient, per_thread_clients
-from ._spec import DEFAULT_IMAGE_ROOT, require_safe_directory
+from ._paths import DEFAULT_IMAGE_ROOT, require_safe_directory
 from .protocol.control import write_atomic
 from .protocol.errors import ArtifactError, HostNotReady, ImageUntrusted
 

@@ -26,51 +26,24 @@ import math
 import os
 import re
 import stat
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Annotated, Any, Literal, Mapping, NamedTuple, Sequence
 
 import yaml
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo,
                       field_validator, model_validator)
 
+from ._paths import DEFAULT_CONTROL_ROOT, DEFAULT_IMAGE_ROOT, absolute_clean, refuse_system_path
 from .protocol.errors import SpecError, SpecIssue
 
 MAX_SPEC_BYTES = 1 << 20
 MAX_DEPTH = 20  # the schema needs 3 levels (oracle.prompts[i]); vLLM's JSON arguments a few more
 MAX_NODES = 10_000  # 64 prompts and a few dozen serve arguments need a few hundred
-DEFAULT_IMAGE_ROOT = Path("/var/lib/vsnap/images")
-DEFAULT_CONTROL_ROOT = Path("/run/vsnap")
 # serve arguments the built-in CPU engine understands (vLLM's names for the same things)
 CPU_SERVE_ARGS = frozenset({"max_model_len", "served_model_name", "seed"})
 
-# Directories that a spec may never name as its image or control directory: a capture with
-# --force replaces the image directory, and the control directory is made private (0700) and
-# mounted over inside the tree. The directories themselves are refused ...
-SYSTEM_DIRS = frozenset({
-    "/", "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/libx32", "/lost+found",
-    "/media", "/mnt", "/opt", "/proc", "/root", "/run", "/run/lock", "/run/user", "/sbin", "/snap", "/srv",
-    "/sys", "/tmp", "/usr", "/var", "/var/backups", "/var/cache", "/var/lib", "/var/local", "/var/lock",
-    "/var/log", "/var/mail", "/var/opt", "/var/run", "/var/spool", "/var/tmp",
-    # vsnap's own roots: every image, every instance record, the built-in model
-    str(DEFAULT_IMAGE_ROOT.parent), str(DEFAULT_IMAGE_ROOT), str(DEFAULT_CONTROL_ROOT), "/var/lib/vsnap/models",
-})
-# ... and so is anything below these (the kernel's, devices, configuration, the OS).
-SYSTEM_TREES = ("/proc", "/sys", "/dev", "/etc", "/usr", "/boot", "/bin", "/sbin", "/lib", "/lib32", "/lib64",
-                "/libx32")
-
 Position = tuple[int, int]
 Loc = tuple[Any, ...]
-
-
-def _absolute_clean(value: str, what: str) -> str:
-    path = Path(value)
-    if not path.is_absolute():
-        raise ValueError(f"{what} must be an absolute path (got {value!r})")
-    if ".." in path.parts:
-        raise ValueError(f"{what} must not contain '..' (got {value!r})")
-    if any(ord(c) < 32 or ord(c) == 127 for c in value):
-        raise ValueError(f"{what} must not contain control characters such as newlines (got {value!r})")
-    return value
 
 
 # CRIU names the control directory's mount by its path in `--external mnt[PATH]:KEY`, and
@@ -78,60 +51,17 @@ def _absolute_clean(value: str, what: str) -> str:
 _CONTROL_DIR_CHARS = re.compile(r"[A-Za-z0-9._@+=%/-]+")
 
 
-def _system_reason(path: str) -> str | None:
-    """Why ``path`` (absolute, normalized) is a system directory, or None."""
-    if path in SYSTEM_DIRS:
-        return f"{path} is a system directory"
-    parts = PurePosixPath(path).parts
-    if len(parts) == 3 and parts[1] == "home":
-        return f"{path} is a home directory"
-    if len(parts) == 4 and parts[1:3] == ("run", "user"):
-        return f"{path} is a user's runtime directory"
-    for tree in SYSTEM_TREES:
-        if path.startswith(tree + "/"):
-            return f"{path} is inside {tree}, a system directory"
-    return None
-
-
-def refuse_system_path(value: str, what: str, use: str) -> str:
-    """Refuse a system directory (or one reached through a symlink) as the image or control directory.
-
-    ``value`` is absolute without '..'. Symlinks in it are resolved as far as they exist, so a link
-    to /etc is refused like /etc.
-    """
-    path = "/" + os.path.normpath(value).lstrip("/")  # POSIX keeps a leading "//"
-    reason = _system_reason(path)
-    if reason is None:
-        real = os.path.realpath(path)
-        if real != path and (inner := _system_reason(real)):
-            reason = f"{path} resolves to {real} through a symlink, and {inner}"
-    if reason:
-        raise ValueError(f"{reason}; {what} must be a directory of its own ({use})")
-    return value
-
-
-def require_safe_directory(value: str, what: str) -> None:
-    """For paths that do not come through a spec (``--image``, a manifest's control_dir): absolute,
-    clean, not a system directory; else ImageUntrusted in one line."""
-    from .protocol.errors import ImageUntrusted
-
-    try:
-        refuse_system_path(_absolute_clean(value, what), what, "choose a directory of its own")
-    except ValueError as exc:
-        raise ImageUntrusted(value, str(exc), hint="choose a directory of its own") from None
-
-
 def _image_path(value: str | None) -> str | None:
     if value is None:
         return None
-    return refuse_system_path(_absolute_clean(value, "image"), "the image",
+    return refuse_system_path(absolute_clean(value, "image"), "the image",
                               f"a capture with --force replaces it; e.g. {DEFAULT_IMAGE_ROOT}/NAME")
 
 
 def _control_path(value: str | None) -> str | None:
     if value is None:
         return None
-    _absolute_clean(value, "control_dir")
+    absolute_clean(value, "control_dir")
     if not _CONTROL_DIR_CHARS.fullmatch(value):
         bad = sorted({c for c in value if not _CONTROL_DIR_CHARS.fullmatch(c)})
         raise ValueError(f"control_dir may hold only letters, digits and . _ @ + = % / - (not {''.join(bad)!r}): "
@@ -211,7 +141,7 @@ class ModelSpec(_Strict):
     @field_validator("model")
     @classmethod
     def _model_path(cls, value: str | None) -> str | None:
-        return None if value is None else _absolute_clean(value, "model")
+        return None if value is None else absolute_clean(value, "model")
 
     @field_validator("image")
     @classmethod

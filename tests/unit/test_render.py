@@ -56,3 +56,51 @@ def test_a_full_disk_is_one_error_line_not_a_traceback(capsys) -> None:
 
     with _pytest.raises(OSError):  # anything else is a bug and keeps its traceback
         buggy()
+
+
+def test_progress_on_a_file_is_what_rich_wrote_there_without_rich(monkeypatch) -> None:
+    """A command whose stderr is no terminal (`vsnap restore --json` under the bench) writes its
+    progress lines itself, byte for byte as the rich console did, and only then skips importing rich."""
+    import sys
+
+    from vsnap._events import PhaseEvent
+    from vsnap.cli import _render
+
+    for name in ("FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delitem(_render.__dict__, "stderr", raising=False)
+    events = [PhaseEvent("verify image", "start"), PhaseEvent("verify image", "done", 0.0412),
+              PhaseEvent("criu [restore]\x1b", "start"), PhaseEvent("criu [restore]\x1b", "failed", 12.5),
+              PhaseEvent("a phase longer than sixteen", "done", None)]
+    plain = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", plain)
+    progress = _render.PhaseProgress()
+    assert progress._plain
+    for event in events:
+        progress(event)
+    progress.close()
+    monkeypatch.undo()
+
+    drawn = io.StringIO()
+    rich_progress = _render.PhaseProgress(CleanConsole(file=drawn, stderr=True, highlight=False, soft_wrap=True,
+                                                       emoji=False))
+    assert not rich_progress._plain
+    for event in events:
+        rich_progress(event)
+    assert plain.getvalue() == drawn.getvalue()
+    assert plain.getvalue().splitlines()[0] == "✓ verify image        0.04 s"
+
+
+def test_progress_goes_through_rich_when_rich_would_draw(monkeypatch) -> None:
+    import sys
+
+    from vsnap.cli import _render
+
+    monkeypatch.delitem(_render.__dict__, "stderr", raising=False)
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    monkeypatch.setenv("FORCE_COLOR", "1")  # rich treats the file as a terminal: colours, a spinner
+    assert not _render.PhaseProgress()._plain
+    monkeypatch.delenv("FORCE_COLOR")
+    assert _render.PhaseProgress()._plain
+    _render.stderr  # noqa: B018 (a console made, or put in place by a test: it is used)
+    assert not _render.PhaseProgress()._plain

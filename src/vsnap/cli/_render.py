@@ -5,24 +5,27 @@ sees it, and the consoles replace no :emoji: codes: a key named "[/]" in a model
 not read as markup (it made rich raise MarkupError). Control characters in text (an image's
 manifest can hold ESC sequences that would drive root's terminal) are shown as ``\\xNN``: the
 consoles clean every segment of text they render, whatever the caller forgot.
+
+rich is imported when something is drawn with it, not at import (it was ~50 ms of every command's
+start): ``stdout``, ``stderr`` and ``CleanConsole`` are made on first use (PEP 562), and the phase
+progress of a command whose stderr is no terminal (`vsnap restore --json` under the bench or a
+script) is written as the plain lines rich would have written there.
 """
 
 from __future__ import annotations
 
 import json
-import sys
-from typing import Any
-
+import os
 import re
-from typing import Iterable
-
-from rich.console import Console
-from rich.markup import escape
-from rich.segment import Segment
-from rich.table import Table
+import sys
+from typing import TYPE_CHECKING, Any, Iterable
 
 from ..protocol.errors import VsnapError
 from .._events import PhaseEvent
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
 
 JSON_FORMAT_VERSION = 1
 
@@ -35,30 +38,85 @@ def clean(text: str) -> str:
     return CONTROL_CHARACTERS.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
-class CleanConsole(Console):
-    """A rich Console whose rendered text never carries control characters (its own styling and
-    cursor controls, which are not text, pass)."""
+def escape(text: str) -> str:
+    """rich.markup.escape, imported when first needed."""
+    from rich.markup import escape as rich_escape
 
-    def render(self, renderable: Any, options: Any = None) -> Iterable[Segment]:
-        for segment in super().render(renderable, options):
-            if segment.control or not CONTROL_CHARACTERS.search(segment.text):
-                yield segment
-            else:
-                yield Segment(clean(segment.text), segment.style, segment.control)
+    return rich_escape(text)
 
 
-stdout = CleanConsole(highlight=False, soft_wrap=True, emoji=False)
-stderr = CleanConsole(stderr=True, highlight=False, soft_wrap=True, emoji=False)
+def _clean_console_class() -> type:
+    from rich.console import Console
+    from rich.segment import Segment
+
+    class CleanConsole(Console):
+        """A rich Console whose rendered text never carries control characters (its own styling and
+        cursor controls, which are not text, pass)."""
+
+        def render(self, renderable: Any, options: Any = None) -> Iterable[Segment]:
+            for segment in super().render(renderable, options):
+                if segment.control or not CONTROL_CHARACTERS.search(segment.text):
+                    yield segment
+                else:
+                    yield Segment(clean(segment.text), segment.style, segment.control)
+
+    CleanConsole.__module__ = __name__
+    return CleanConsole
+
+
+def __getattr__(name: str) -> Any:
+    """``CleanConsole``, ``stdout`` and ``stderr``, made (and rich imported) on first use."""
+    if name == "CleanConsole":
+        value: Any = _clean_console_class()
+    elif name == "stdout":
+        value = _get("CleanConsole")(highlight=False, soft_wrap=True, emoji=False)
+    elif name == "stderr":
+        value = _get("CleanConsole")(stderr=True, highlight=False, soft_wrap=True, emoji=False)
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def _get(name: str) -> Any:
+    """This module's ``name`` as other modules see it (made on first use)."""
+    return globals()[name] if name in globals() else __getattr__(name)
+
+
+def _stderr_is_plain() -> bool:
+    """Whether rich would draw on stderr as on a file: no terminal, and none of the environment
+    variables that make rich treat a file as one (rich.console.Console.is_terminal)."""
+    if any(name in os.environ for name in ("FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE")):
+        return False
+    if "IPython" in sys.modules or "stderr" in globals() or sys.stderr is None:
+        return False  # Jupyter, a console someone made or put in place (tests do), or no stderr at all
+    try:
+        return not sys.stderr.isatty()
+    except (AttributeError, ValueError):  # no stderr, or a closed one: rich says "no terminal" too
+        return True
 
 
 class PhaseProgress:
     """Shows the running phase with a spinner and a line per finished phase, on stderr."""
 
     def __init__(self, console: Console | None = None) -> None:
-        self.console = console or stderr
+        self._console = console
+        self._plain = console is None and _stderr_is_plain()  # then rich is never imported for it
         self._status: Any = None
 
+    @property
+    def console(self) -> Console:
+        if self._console is None:
+            self._console = _get("stderr")
+        return self._console
+
     def __call__(self, event: PhaseEvent) -> None:
+        if self._plain:
+            if event.state != "start":  # what rich writes to a file: the mark and the text, no styles
+                mark = "✓" if event.state == "done" else "✗"
+                sys.stderr.write(clean(f"{mark} {event.phase:<16} {event.seconds or 0:7.2f} s") + "\n")
+                sys.stderr.flush()
+            return
         if event.state == "start":
             if self.console.is_terminal:
                 self._status = self.console.status(f"{event.phase}…")
@@ -77,6 +135,8 @@ class PhaseProgress:
 
 
 def timing_table(title: str, seconds: dict[str, float], extra: dict[str, float] | None = None) -> Table:
+    from rich.table import Table
+
     table = Table(title=escape(title), title_justify="left")
     table.add_column("phase")
     table.add_column("seconds", justify="right")
@@ -100,10 +160,11 @@ def print_error(error: VsnapError, as_json: bool) -> None:
     if as_json:
         print_json("error", error.to_dict())
         return
-    stderr.print(f"[bold red]error:[/] {escape(clean(error.message))}")
+    console = _get("stderr")
+    console.print(f"[bold red]error:[/] {escape(clean(error.message))}")
     for issue in getattr(error, "issues", [])[1:]:  # a SpecError: every issue, each on its line
-        stderr.print(f"       {clean(str(issue))}", markup=False)
+        console.print(f"       {clean(str(issue))}", markup=False)
     if error.hint:
-        stderr.print(f"[yellow]hint:[/] {escape(clean(error.hint))}")
+        console.print(f"[yellow]hint:[/] {escape(clean(error.hint))}")
     if error.log_path:
-        stderr.print(f"log:  {clean(error.log_path)}", markup=False)
+        console.print(f"log:  {clean(error.log_path)}", markup=False)

@@ -8,7 +8,7 @@ import typer
 
 from . import _render
 from .restore import serving_document, serving_line
-from . import app, error_boundary
+from . import _app as app, error_boundary
 
 
 @app.command(help="Serve a standby (`vsnap restore IMAGE --standby`): restore its CUDA state onto --gpu, bring "

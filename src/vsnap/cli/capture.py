@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 
 from . import _render
-from . import app, error_boundary
+from . import _app as app, error_boundary
 
 
 @app.command(help="Boot the engine of SPEC (a model.yaml), checkpoint it at its barrier and publish the image.")

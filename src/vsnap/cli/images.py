@@ -13,7 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from . import _render
-from . import app, error_boundary
+from . import _app as app, error_boundary
 
 if TYPE_CHECKING:
     from .. import _images

@@ -9,7 +9,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from . import _render
-from . import app, error_boundary
+from . import _app as app, error_boundary
 
 
 @app.command(help="Show what an image holds (reads manifest.json only).")

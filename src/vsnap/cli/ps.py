@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from .. import _instances
 
 from . import _render
-from . import app, error_boundary
+from . import _app as app, error_boundary
 
 
 def compact_duration(seconds: float) -> str:

@@ -9,7 +9,7 @@ import typer
 
 
 from . import _render
-from . import app, error_boundary
+from . import _app as app, error_boundary
 
 
 @app.command(help="Pull REF (REGISTRY/REPOSITORY[:TAG] or ...@sha256:DIGEST) from an OCI registry into a new "

@@ -9,7 +9,7 @@ import typer
 
 
 from . import _render
-from . import app, error_boundary
+from . import _app as app, error_boundary
 
 
 @app.command(help="Push IMAGE to an OCI registry as REF (REGISTRY/REPOSITORY[:TAG]). Blobs the registry "

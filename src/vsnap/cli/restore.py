@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from .. import _restore
 
 from . import _render
-from . import app, error_boundary
+from . import _app as app, error_boundary
 
 
 @app.command(help="Restore IMAGE, prove it with the oracle, then serve on --host/--port. "

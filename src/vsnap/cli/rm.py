@@ -7,7 +7,7 @@ from dataclasses import asdict
 import typer
 
 from . import _render
-from . import app, error_boundary
+from . import _app as app, error_boundary
 from .images import human_size
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from . import _render
-from . import app, error_boundary
+from . import _app as app, error_boundary
 
 
 @app.command(help="Stop running restored instances: every instance of IMAGE, or the one INSTANCE id (vsnap ps). "

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from .._host import Check
 
 from . import _render
-from . import app, error_boundary
+from . import _app as app, error_boundary
 
 
 def detail(check: Check) -> str:
