@@ -69,8 +69,11 @@ def _require_supported_args(spec: ModelSpec, source: str) -> str:
     support = vllm_rules.configuration_support(config)
     beyond = ("; beyond a dense model: " + ", ".join(f"{feature} ({how})" for feature, how in support)
               if support else "")
+    if cuda:  # the model rules on this configuration run when the engine builds it (at capture)
+        return (f"{len(spec.serve)} serve arguments accepted by vLLM's parser and the snapshot rules; the "
+                f"configuration resolved by vLLM (its model rules run at capture){beyond}")
     return (f"{len(spec.serve)} serve arguments and the resolved configuration accepted by vLLM and the "
-            f"snapshot rules ({'CUDA' if cuda else 'CPU backend'}){beyond}")
+            f"snapshot rules (CPU backend){beyond}")
 
 
 def require_engine_reads(args: argparse.Namespace, spec: ModelSpec, source: str) -> None:

@@ -58,3 +58,17 @@ def test_an_oracle_sample_names_the_adapter_it_asked() -> None:
     assert plain.model is None  # images written before adapters were asked read the same
     through = OracleSample(prompt="p", model="a1", token_ids=[1], logprobs=[{"1": -0.1}])
     assert Oracle.model_validate_json(Oracle(samples=[plain, through]).model_dump_json()).samples[1].model == "a1"
+
+
+def test_an_oracle_mismatch_names_the_adapter() -> None:
+    import pytest
+
+    from vsnap.protocol.oracle import compare_oracles
+
+    want = Oracle(samples=[OracleSample(prompt="p", model="a1", token_ids=[1, 2], logprobs=[{"1": -0.1}, {"2": -0.2}])])
+    got = Oracle(samples=[OracleSample(prompt="p", model="a1", token_ids=[1, 3], logprobs=[{"1": -0.1}, {"3": -0.2}])])
+    with pytest.raises(OracleMismatch, match=r"prompt 0, token 1: expected token 2 \(through a1\), got token 3"):
+        compare_oracles(want, got, 0.001)
+    other = Oracle(samples=[OracleSample(prompt="p", token_ids=[1, 2], logprobs=[{"1": -0.1}, {"2": -0.2}])])
+    with pytest.raises(OracleMismatch, match="expected a sample through a1, got one through the model"):
+        compare_oracles(want, other, 0.001)

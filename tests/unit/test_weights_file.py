@@ -93,3 +93,38 @@ def test_views_of_one_storage_are_carried_once() -> None:
     ptr = base.untyped_storage().data_ptr()
     named = pool_tensors(model, [(ptr, ptr + 128)], device="cpu")
     assert [name for name, _ in named] == ["a"]
+
+
+def test_fingerprint_sees_swapped_bytes_and_buffers_that_are_views_of_parameters() -> None:
+    """Moved bytes change the checksum (a plain sum would not); a buffer that is a view of a
+    parameter's storage (Mamba2's conv_weights) does not keep that storage out of the file."""
+    from vsnap.engine.adapters.vllm_weights import fingerprint, pool_tensors
+
+    a = torch.arange(16, dtype=torch.int32)
+    b = torch.cat([a[8:], a[:8]])
+    assert fingerprint([("t", a)]) != fingerprint([("t", b)])
+    model = torch.nn.Module()
+    model.conv = torch.nn.Linear(4, 4, bias=False)
+    model.register_buffer("conv_weights", model.conv.weight.view(16), persistent=False)
+    model.register_buffer("own", torch.ones(3))
+    storages = [model.conv.weight.untyped_storage(), model.own.untyped_storage()]
+    ranges = [(st.data_ptr(), st.data_ptr() + st.nbytes()) for st in storages]
+    names = [name for name, _ in pool_tensors(model, ranges, device="cpu")]
+    assert names == ["conv.weight"], names
+
+
+def test_refresh_rewrites_the_pieces_that_changed_since_the_save(tmp_path: Path) -> None:
+    """What the oracle and the rehearsal change after the save (LoRA slots) is written again in place."""
+    from vsnap.engine.adapters.vllm_weights import WeightsFileExtension, fingerprint, storage_view
+
+    tensors = [storage_view(torch.arange(8, dtype=torch.int32)), storage_view(torch.zeros(4, dtype=torch.int32))]
+    named = [("slots", tensors[0]), ("other", tensors[1])]
+    ext = WeightsFileExtension.__new__(WeightsFileExtension)
+    ext._vsnap_layout, ext._vsnap_targets, ext._vsnap_sums = layout(named), tensors, fingerprint(named)
+    with open(tmp_path / "rank0.bin", "wb") as f:
+        for t in tensors:
+            f.write(memoryview(t.numpy()))
+    assert ext.vsnap_refresh_weights(str(tmp_path))["refreshed_tensors"] == 0
+    tensors[0].view(torch.int32).copy_(torch.arange(8, dtype=torch.int32).flip(0))  # slots swapped
+    assert ext.vsnap_refresh_weights(str(tmp_path))["refreshed_tensors"] == 1
+    assert (tmp_path / "rank0.bin").read_bytes() == tensors[0].numpy().tobytes() + tensors[1].numpy().tobytes()

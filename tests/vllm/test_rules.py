@@ -174,6 +174,22 @@ def test_what_stays_refused_on_a_resolved_config(tiny_llama: Path) -> None:
         assert [str(r) for r in vllm_rules.config_refusals(config, is_cuda=False)] == [expected]
 
 
+def test_more_adapters_than_vllm_keeps_in_memory_are_refused(tiny_llama: Path, lora_adapter: Path) -> None:
+    """Adapters evicted from vLLM's CPU cache would be read from disk again after every restore."""
+    modules = [f"a{i}={lora_adapter}" for i in range(3)]
+    found = refused(tiny_llama, {**LORA, "lora_modules": modules})  # max_loras 2, max_cpu_loras unset: 2
+    assert found == ["max_cpu_loras: 3 LoRA adapters are given at boot but vLLM keeps 2 in memory: the others "
+                     "would be read from disk again after every restore (set max_cpu_loras to at least 3)"]
+    assert refused(tiny_llama, {**LORA, "lora_modules": modules, "max_cpu_loras": 3}) == []
+
+
+def test_speculative_decoding_with_a_draft_model_is_refused(tiny_llama: Path) -> None:
+    config = resolved(tiny_llama, {"max_model_len": 512, "speculative_config": {
+        "method": "draft_model", "model": str(tiny_llama), "num_speculative_tokens": 2}})
+    [refusal] = vllm_rules.config_refusals(config, is_cuda=False)
+    assert refusal.argument == "speculative_config" and "with a draft model (draft_model)" in refusal.reason
+
+
 def test_validate_names_what_a_lora_spec_uses(tiny_llama: Path, lora_adapter: Path, tmp_path: Path) -> None:
     from vsnap._spec import load_spec
     from vsnap._vllm_check import require_supported_args

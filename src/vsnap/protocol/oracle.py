@@ -43,6 +43,10 @@ def compare_oracles(expected: Oracle, actual: Oracle, tolerance: float) -> float
         raise OracleMismatch(-1, -1, f"{len(expected.samples)} samples", f"{len(actual.samples)} samples")
     worst = 0.0
     for index, (want, got) in enumerate(zip(expected.samples, actual.samples)):
+        through = f" (through {want.model})" if want.model else ""
+        if want.model != got.model:
+            raise OracleMismatch(index, -1, f"a sample through {want.model or 'the model'}",
+                                 f"one through {got.model or 'the model'}")
         if want.token_ids != got.token_ids:
             position = next(
                 (i for i, (a, b) in enumerate(zip(want.token_ids, got.token_ids)) if a != b),
@@ -50,16 +54,16 @@ def compare_oracles(expected: Oracle, actual: Oracle, tolerance: float) -> float
             )
             exp = want.token_ids[position] if position < len(want.token_ids) else "end"
             act = got.token_ids[position] if position < len(got.token_ids) else "end"
-            raise OracleMismatch(index, position, f"token {exp}", f"token {act}")
+            raise OracleMismatch(index, position, f"token {exp}{through}", f"token {act}")
         if len(want.logprobs) != len(got.logprobs):
             raise OracleMismatch(index, -1, f"{len(want.logprobs)} positions", f"{len(got.logprobs)} positions")
         for position, (top_want, top_got) in enumerate(zip(want.logprobs, got.logprobs)):
             for token, value in top_want.items():
                 other = top_got.get(token)
                 if other is None:
-                    raise OracleMismatch(index, position, f"token {token} in top-k", "absent")
+                    raise OracleMismatch(index, position, f"token {token} in top-k{through}", "absent")
                 diff = abs(value - other)
                 if math.isnan(diff) or diff > tolerance:
-                    raise OracleMismatch(index, position, f"logprob {value!r} for {token}", repr(other))
+                    raise OracleMismatch(index, position, f"logprob {value!r} for {token}{through}", repr(other))
                 worst = max(worst, diff)
     return worst

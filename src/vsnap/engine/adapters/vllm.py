@@ -211,8 +211,18 @@ class VllmAdapter(EngineAdapter):
         except OracleMismatch as mismatch:
             if not ours:
                 raise
-            after = await self._rpc("vsnap_fingerprint")
-            raise RehearsalMismatch(mismatch, changed_state(before, after), self.weights_source) from None
+            after = await self._fingerprint()
+            changed = changed_state(before, after) if before and after else ["(no checksums could be taken)"]
+            raise RehearsalMismatch(mismatch, changed, self.weights_source) from None
+
+    async def _fingerprint(self) -> dict[str, int]:
+        """Checksums of the model's tensors (vsnap_fingerprint); {} if they cannot be taken: they
+        only explain a failure, they must never cause one."""
+        try:
+            return await self._rpc("vsnap_fingerprint")
+        except Exception as exc:
+            print(f"vsnap: could not take the tensors' checksums ({type(exc).__name__}: {exc})", flush=True)
+            return {}
 
     async def prepare(self) -> Oracle:
         await self._prebuild_app()  # first, awake: it loads the LoRA adapters given at boot, which the oracle asks
@@ -230,15 +240,17 @@ class VllmAdapter(EngineAdapter):
                 self._drop_weights_file(f"could not write the weights file ({type(exc).__name__}: {exc})")
         # Rehearse the exact recovery path once before the capture: a restore must not be the
         # first time sleep level 2, weight reload and wake run in this process.
-        before = await self._rpc("vsnap_fingerprint") if self.args.worker_extension_cls == vllm_weights.EXTENSION else {}
+        before = await self._fingerprint() if self.args.worker_extension_cls == vllm_weights.EXTENSION else {}
         try:
             await self._rehearse(oracle, before)
         except RehearsalMismatch as mismatch:
-            if self.weights_source != "file":
-                raise
+            if self.weights_source != "file" or getattr(self.args, "enable_lora", False):
+                raise  # with LoRA vLLM's reload cannot work at all (0.26): the file's account is the one to read
             # The weights pool's tensors do not hold all of this model's loaded state: reload through vLLM.
             self._drop_weights_file(f"the weights file did not reproduce the oracle ({mismatch.message})")
             await self._rehearse(oracle, before)
+        if self.weights_source == "file":  # the rehearsal's oracle may have moved adapters between slots
+            print(f"vsnap: weights file refreshed: {await self._rpc('vsnap_refresh_weights', weights_dir)}", flush=True)
         await self._sleep()
         self._freeze_gc_heap()
         return oracle
@@ -271,6 +283,10 @@ class VllmAdapter(EngineAdapter):
             uvicorn.Config(app).load()  # imports uvicorn's protocol modules now, not after restore
             self.app = app
         except Exception as exc:  # not fatal: the slower path still works
+            if getattr(self.args, "lora_modules", None):  # the adapters would fail again at every restore
+                raise EngineError("prepare", "LoraAdapterFailed",
+                                  f"vLLM could not load the LoRA adapters given at boot ({type(exc).__name__}: {exc})",
+                                  hint="check serve.lora_modules and max_lora_rank") from None
             print(f"vsnap: could not prebuild the OpenAI app ({type(exc).__name__}: {exc}); "
                   "it will be built after restore", flush=True)
 

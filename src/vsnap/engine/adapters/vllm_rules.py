@@ -364,6 +364,12 @@ def argument_refusals(args: argparse.Namespace, environ: dict[str, str] | None =
     if getattr(args, "trust_remote_code", False):
         refuse("trust_remote_code", "vsnap runs the engine as root: the model's own Python code would run as root "
                                     "(use a model vLLM supports natively)")
+    adapters = len(getattr(args, "lora_modules", None) or [])
+    cpu_slots = getattr(args, "max_cpu_loras", None) or getattr(args, "max_loras", 1) or 1
+    if getattr(args, "enable_lora", False) and adapters > cpu_slots:
+        refuse("max_cpu_loras", f"{adapters} LoRA adapters are given at boot but vLLM keeps {cpu_slots} in memory: the "
+                                f"others would be read from disk again after every restore (set max_cpu_loras to "
+                                f"at least {adapters})")
     if getattr(args, "logprobs_mode", None) in ("raw_logits", "processed_logits"):
         refuse("logprobs_mode", "the oracle compares log probabilities, not logits")
     if platform.system() != "Linux" or platform.machine() != "x86_64":
@@ -453,6 +459,13 @@ def config_refusals(config: Any, *, is_cuda: bool) -> list[Refusal]:
     for name in ("kv_transfer_config", "ec_transfer_config"):
         if getattr(config, name, None) is not None:
             refuse(name, "KV/EC transfer connects the engine to other processes or hosts, which a snapshot cannot carry")
+    speculative = getattr(config, "speculative_config", None)
+    method = str(getattr(speculative, "method", "")) if speculative is not None else ""
+    if speculative is not None and method not in MODEL_FREE_SPECULATION:
+        refuse("speculative_config", f"speculative decoding with a draft model ({method}) is not supported yet: vLLM "
+                                     "rebuilds some drafters' buffers at wake before vsnap refills their weights, its own "
+                                     "reload skips the drafter, and the oracle cannot tell (a broken drafter changes "
+                                     "speed, not greedy outputs); ngram and suffix decoding work")
     if config.load_config.load_format not in ("auto", "safetensors"):
         refuse("load_format", "weights are reloaded from safetensors after restore: use auto or safetensors")
     offload = config.offload_config
@@ -469,6 +482,8 @@ def config_refusals(config: Any, *, is_cuda: bool) -> list[Refusal]:
 # outputs equal to a cold start (vLLM 0.26.0, H200); see docs/model-yaml.md.
 TESTED_QUANTIZATION = ("fp8",)
 TESTED_SPECULATION = ("ngram",)
+# speculative methods that need no draft model (no weights of their own to bring back)
+MODEL_FREE_SPECULATION = ("ngram", "ngram_gpu", "suffix")
 
 
 def configuration_support(config: Any) -> list[tuple[str, str]]:

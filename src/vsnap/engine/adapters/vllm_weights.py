@@ -331,6 +331,8 @@ def pool_tensors(model: Any, ranges: list[tuple[int, int]] | None = None, device
     whose storage it is, else ``tensor@<offset in the pool> <dtype>[<shape>]``. Two storages that overlap raise
     ValueError (then the capture reloads through vLLM). ``ranges`` and ``device``: the pool's
     address ranges (default: vLLM's sleep allocator's) and the tensors' device type."""
+    import torch
+
     ranges = weights_pool_ranges() if ranges is None else sorted(ranges)
     if not ranges:
         return []
@@ -338,18 +340,25 @@ def pool_tensors(model: Any, ranges: list[tuple[int, int]] | None = None, device
     in_pool = pool_membership(ranges)
 
     names = {p.untyped_storage().data_ptr(): name for name, p in model.named_parameters() if p.device.type == device}
-    buffers = {b.untyped_storage().data_ptr() for _, b in model.named_buffers() if b.device.type == device}
+    # a buffer vLLM puts back whole is left to it; one that is a view into a parameter's storage (Mamba2's
+    # conv_weights of conv1d.weight) or covers only part of its storage is not: the storage is carried
+    buffers = {b.untyped_storage().data_ptr() for _, b in model.named_buffers()
+               if b.device.type == device and b.untyped_storage().data_ptr() not in names
+               and b.data_ptr() == b.untyped_storage().data_ptr()
+               and b.numel() * b.element_size() == b.untyped_storage().nbytes()}
     found: dict[int, Any] = {}
-    for obj in _all_objects():
-        try:
-            if not _is_tensor_on(obj, device):
+    with warnings.catch_warnings():  # some objects warn when their type is asked (deprecated aliases)
+        warnings.simplefilter("ignore")
+        for obj in _all_objects():
+            try:
+                if not isinstance(obj, torch.Tensor) or obj.device.type != device:
+                    continue
+                storage = obj.untyped_storage()
+                ptr, nbytes = storage.data_ptr(), storage.nbytes()
+            except Exception:  # an object that is not a real tensor (a fake tensor of torch.compile's tracing)
                 continue
-            storage = obj.untyped_storage()
-            ptr, nbytes = storage.data_ptr(), storage.nbytes()
-        except Exception:  # an object that is not a real tensor (a fake tensor of torch.compile's tracing)
-            continue
-        if nbytes and ptr not in buffers and in_pool(ptr) and nbytes > found.get(ptr, (0, None))[0]:
-            found[ptr] = (nbytes, obj)
+            if nbytes and ptr not in buffers and in_pool(ptr) and nbytes > found.get(ptr, (0, None))[0]:
+                found[ptr] = (nbytes, obj)
     named: list[tuple[str, Any]] = []
     end = 0
     for ptr in sorted(found):
@@ -368,6 +377,8 @@ def _all_objects() -> list[Any]:
     import gc
 
     frozen, enabled = gc.get_freeze_count(), gc.isenabled()
+    if frozen:
+        gc.collect()  # what is garbage now must not be frozen with the rest below (frozen objects are skipped)
     gc.disable()  # no collection of the unfrozen heap (a full one takes seconds) while it is unfrozen
     if frozen:
         gc.unfreeze()
@@ -380,23 +391,26 @@ def _all_objects() -> list[Any]:
             gc.enable()
 
 
-def _is_tensor_on(obj: Any, device: str) -> bool:
-    import torch
-
-    with warnings.catch_warnings():  # some objects warn when their type is asked (deprecated aliases)
-        warnings.simplefilter("ignore")
-        return isinstance(obj, torch.Tensor) and obj.device.type == device
+CHECKSUM_WORDS = 1 << 22  # int32 words summed at a time (as int64, weighted: ~100 MB of scratch on the device)
 
 
 def fingerprint(named: list[tuple[str, Any]]) -> dict[str, int]:
-    """A checksum per tensor (its bytes summed as int32 words), to name what did not come back."""
+    """A checksum per tensor, to name what did not come back: over its whole storage, int32 word
+    by word, each word weighted by its position (1 to 251, repeating), each chunk of
+    CHECKSUM_WORDS by its index too, so that moved bytes (swapped LoRA slots) count as changed;
+    trailing bytes added last. Taken only at capture."""
     import torch
 
     sums = {}
     for name, tensor in named:
-        flat = flat_bytes(tensor) if tensor.is_contiguous() else storage_view(tensor)
+        flat = storage_view(tensor)
         words = flat[: flat.numel() // 4 * 4].view(torch.int32)
-        sums[name] = int(words.sum(dtype=torch.int64).item()) + int(flat[words.numel() * 4:].sum().item())
+        total = 0
+        for index, start in enumerate(range(0, words.numel(), CHECKSUM_WORDS)):
+            chunk = words[start:start + CHECKSUM_WORDS].to(torch.int64)
+            weights = torch.arange(chunk.numel(), device=chunk.device, dtype=torch.int64) % 251 + 1
+            total = (total + (index + 1) * int((chunk * weights).sum().item())) % (1 << 63)
+        sums[name] = total + int(flat[words.numel() * 4:].sum().item())
     return sums
 
 
@@ -425,6 +439,7 @@ class WeightsFileExtension:
             os.fsync(f.fileno())
         self._vsnap_layout = layout(named)
         self._vsnap_targets = [t for _, t in named]
+        self._vsnap_sums = fingerprint(named)
         parameters = sum(1 for name, _ in named if not name.startswith("tensor@"))
         others = sorted(((t.numel(), name) for name, t in named if name.startswith("tensor@")), reverse=True)
         return {"weights_bytes": float(path.stat().st_size), "weights_save_s": time.monotonic() - start,
@@ -447,6 +462,28 @@ class WeightsFileExtension:
         path = Path(directory) / file_name(self._vsnap_rank())
         pool = ThreadPoolExecutor(max_workers=1)
         self._vsnap_loading = (pool, pool.submit(stream_into, path, saved, self._vsnap_targets))
+
+    def vsnap_refresh_weights(self, directory: str) -> dict[str, float]:
+        """Rewrite, in place, the file's pieces whose tensors changed since it was written (the
+        oracle and the rehearsal between the save and the checkpoint move LoRA adapters between
+        slots): the file must hold the pool as the image's CPU state expects it."""
+        start = time.monotonic()
+        named = list(zip((seg.name for seg in self._vsnap_layout), self._vsnap_targets))
+        now = fingerprint(named)
+        changed = [k for k, (seg, (name, tensor)) in enumerate(zip(self._vsnap_layout, named))
+                   if now[name] != self._vsnap_sums.get(name)]
+        if changed:
+            fd = os.open(Path(directory) / file_name(self._vsnap_rank()), os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            try:
+                for k in changed:
+                    data = memoryview(self._vsnap_targets[k].cpu().numpy())
+                    if os.pwrite(fd, data, self._vsnap_layout[k].offset) != len(data):
+                        raise OSError(f"short write refreshing {self._vsnap_layout[k].name}")
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            self._vsnap_sums = now
+        return {"refreshed_tensors": float(len(changed)), "refresh_s": time.monotonic() - start}
 
     def vsnap_fingerprint(self) -> dict[str, int]:
         """Checksums of the parameters, the buffers and the weights file's tensors (while awake)."""
