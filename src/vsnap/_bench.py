@@ -119,6 +119,11 @@ def lora_adapter_names(serve: dict[str, Any]) -> list[str]:
     return [name for name in names if name]
 
 
+def served_models(spec: ModelSpec) -> list[str]:
+    """The names the bench asks: the served model, then each LoRA adapter given at boot."""
+    return [spec.served_model_name, *lora_adapter_names(spec.serve)]
+
+
 def completions(url: str, model: str, prompts: list[str], max_tokens: int = BENCH_TOKENS) -> list[Completion]:
     """Greedy completions of each prompt, one request at a time (the same batches on every server)."""
     out = []
@@ -366,7 +371,7 @@ def run_bench(spec: ModelSpec, *, runs: int = 3, cold_runs: int | None = None, l
     stem = f"bench-{spec.name}-{dt.date.today().isoformat()}" + ("-lazy-pages" if lazy_pages else "")
     prompts = bench_prompts()
 
-    models = [spec.served_model_name, *lora_adapter_names(spec.serve)]
+    models = served_models(spec)
 
     def outputs(url: str) -> list[Completion]:  # every prompt through the model, then through each LoRA adapter
         return [c for model in models for c in completions(url, model, prompts)]
@@ -503,7 +508,7 @@ def _measure(spec: ModelSpec, own: ModelSpec, dirs: BenchDirs, model_dir: Path, 
         "floor_s": floor.seconds,
         "floor_inputs": {"image_read_bytes_per_s": floor.read_bytes_per_s, "h2d_bytes_per_s": floor.h2d_bytes_per_s},
         "outputs": {"max_tokens": BENCH_TOKENS, "greedy": True,
-                    "models": [spec.served_model_name, *lora_adapter_names(spec.serve)],
+                    "models": served_models(spec),
                     "restored_vs_cold": {"expected": "warm cold start #1", "actual": "restore #1",
                                          **compare_outputs(cold[1].outputs, restored_outputs)},
                     "cold_vs_cold": {"expected": "fully cold start", "actual": "warm cold start #1",
