@@ -165,16 +165,21 @@ def engine_packages(engine: str) -> dict[str, str]:
 
 
 def host_facts(engine: str, visible: str | None = None) -> HostFacts:
-    """This host's facts; ``visible`` (a CUDA_VISIBLE_DEVICES value of UUIDs) limits the GPUs recorded."""
+    """This host's facts; ``visible`` (a CUDA_VISIBLE_DEVICES value of UUIDs or indices) limits the GPUs
+    recorded, in its order."""
     runner = CriuRunner.locate()
     driver, cuda, gpus = None, None, []
     if engine == "vllm" and vllm_device() == "cuda":
         from ._cuda import gpu_facts
 
         driver, cuda, gpus = gpu_facts()
-        if visible:
-            wanted = visible.split(",")
-            gpus = [g for g in gpus if g["uuid"] in wanted or str(g["index"]) in wanted]
+        if visible:  # in the order the tree sees them: rank r runs on the r-th
+            picked: list[dict] = []
+            for wanted in (v.strip() for v in visible.split(",")):
+                match = next((g for g in gpus if wanted in (g["uuid"], str(g["index"]))), None)
+                if match is not None and match not in picked:
+                    picked.append(match)
+            gpus = picked
     return HostFacts(
         driver=driver, cuda=cuda, gpus=gpus,
         hostname=socket.gethostname(),
