@@ -724,7 +724,7 @@ def configuration_support(config: Any) -> list[tuple[str, str]]:
         found.append((f"speculative decoding ({method})", "tested" if method in TESTED_SPECULATION else "on trust"))
     if model.is_hybrid:
         found.append(("hybrid attention + state-space model", "on trust"))
-    tp = config.parallel_config.tensor_parallel_size
+    tp = getattr(getattr(config, "parallel_config", None), "tensor_parallel_size", 1) or 1
     if tp > 1:  # no GPU record yet (docs/design/tensor-parallel-2.md 8)
         found.append((f"tensor parallelism over {tp} GPUs (NCCL and CUDA graphs rebuilt at every restore)", "on trust"))
     return found

@@ -323,17 +323,22 @@ class TensorParallelExtension:
 
     def vsnap_recapture_graphs(self) -> dict[str, float]:
         """After reconnect: capture the CUDA graphs again as vLLM does at boot (the workspace
-        unlocked around it, as vLLM's elastic EP does); nothing with enforce_eager."""
-        from vllm.v1.worker.workspace import lock_workspace, unlock_workspace
+        unlocked around it, as vLLM's elastic EP does, and left locked only if it was: the V1
+        runner locks it after its boot capture, the V2 runner does not); nothing with
+        enforce_eager."""
+        from vllm.v1.worker.workspace import current_workspace_manager
 
         start = time.monotonic()
         runner = self.model_runner  # type: ignore[attr-defined]
         mode = self.vllm_config.compilation_config.cudagraph_mode  # type: ignore[attr-defined]
         if mode is None or getattr(mode, "name", str(mode)) == "NONE":
             return {"graph_capture_s": 0.0, "graph_bytes": 0.0}
-        unlock_workspace()
+        workspace = current_workspace_manager()
+        locked = workspace.is_locked()
+        workspace.unlock()
         try:
             nbytes = runner.capture_model()
         finally:
-            lock_workspace()
+            if locked:
+                workspace.lock()
         return {"graph_capture_s": time.monotonic() - start, "graph_bytes": float(nbytes or 0)}
