@@ -415,11 +415,6 @@ def capture_gpu_uuids(tp: int = 1) -> list[str]:
     return [str(g["uuid"]) for g in gpus[:tp]]
 
 
-def capture_gpu_uuid() -> str:
-    """The GPU a one-rank vLLM capture runs on when CUDA_VISIBLE_DEVICES does not say: the first one."""
-    return capture_gpu_uuids(1)[0]
-
-
 def require_visible_gpus(visible: str, tp: int) -> None:
     """CUDA_VISIBLE_DEVICES (the caller's, when it gave one) names at least one GPU per rank."""
     named = [v for v in visible.split(",") if v.strip()]

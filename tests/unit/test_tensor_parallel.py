@@ -283,7 +283,7 @@ def test_capture_takes_the_first_gpus_in_cuda_order(monkeypatch: pytest.MonkeyPa
     gpus = [{"index": i, "uuid": f"GPU-{i}"} for i in range(2)]
     monkeypatch.setattr(_cuda, "gpu_facts", lambda: ("580", "13.0", gpus))
     assert _capture.capture_gpu_uuids(2) == ["GPU-0", "GPU-1"]
-    assert _capture.capture_gpu_uuid() == "GPU-0"
+    assert _capture.capture_gpu_uuids() == ["GPU-0"]  # one rank: the first, as before
     with pytest.raises(HostNotReady, match="tensor_parallel_size 3 needs 3 GPUs; this host has 2"):
         _capture.capture_gpu_uuids(3)
     _capture.require_visible_gpus("GPU-1,GPU-0", 2)
