@@ -107,11 +107,6 @@ def tree_environment(control_dir: Path, instance_dir: Path, engine: str = "cpu")
             "TORCH_NCCL_ENABLE_MONITORING": "0",
             "UV_USE_IO_URING": "0",  # CRIU cannot dump io_uring
         })
-        from .engine.adapters.vllm_rules import TP_ENVIRONMENT
-
-        # what keeps peer, multicast and symmetric memory out of a tensor-parallel engine (read by
-        # nothing with one rank; docs/design/tensor-parallel-2.md 4.1)
-        env.update(TP_ENVIRONMENT)
         env.setdefault("VLLM_CACHE_ROOT", VLLM_CACHE_ROOT)  # compile cache survives between captures
     src = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")

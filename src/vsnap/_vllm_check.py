@@ -50,7 +50,7 @@ def _require_supported_args(spec: ModelSpec, source: str) -> str:
         raise HostNotReady("engine", f"vLLM cannot be imported: {exc}", hint="pip install 'vsnap[vllm]'") from None
     if args is None or refusals:
         raise _issues(source, refusals)
-    # the environment the engine will have: the caller's, with what tree_environment sets over it
+    # the environment the engine will have: the caller's, with what the engine sets over it at TP > 1
     environ = {**os.environ, **vllm_rules.TP_ENVIRONMENT, "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
     refusals = vllm_rules.argument_refusals(args, environ=environ)
     if refusals:

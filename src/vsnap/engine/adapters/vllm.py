@@ -147,7 +147,7 @@ class VllmAdapter(EngineAdapter):
                     vllm_rules.TP1_RECAPTURE_ENV, "dropping and capturing CUDA graphs again needs vsnap's worker "
                                                   "extension: remove worker_extension_cls or unset it")])
             self.recapture = True
-        if self.tp > 1:  # for the workers spawned below (tree_environment set them already)
+        if self.tp > 1:  # for EngineCore and the workers spawned below (only with TP: one rank keeps its environment)
             os.environ.update(vllm_rules.TP_ENVIRONMENT)
         self.args = args
         engine_args = AsyncEngineArgs.from_cli_args(args)
