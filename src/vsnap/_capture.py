@@ -31,7 +31,8 @@ from ._instances import (CaptureRecord, new_instance_dir, prune_dead_runs, regis
                          unregister_capture)
 from ._manifest import (CRIU_DIR, DUMP_LOG, ENGINE_LOG, FORMAT_VERSION, MANIFEST, SHM_DIR, TREE_DIRS, WEIGHTS_DIR, Dependency,
                         HostFacts, ImageLaunch, Manifest)
-from ._proctree import LaunchedTree, is_same, kill_tree, launch_tree, mapped_and_open_files, tree_pids, wait_gone
+from ._proctree import (LaunchedTree, is_same, kill_tree, launch_tree, mapped_and_open_files, open_device_files,
+                        tree_pids, wait_gone)
 from ._trust import copy_no_follow, make_trusted_dirs, require_trusted_ancestors, require_trusted_model
 from ._netns import NETNS_KEY, netns_inode
 from ._shm import SHM, instance_shm_dir, remove_instance_shm, tree_shm_files
@@ -271,8 +272,10 @@ def capture_image(spec: ModelSpec, *, image_dir: Path | None = None, force: bool
         control.write_message(work, control.LAUNCH, launch)
         env = {**tree_environment(control_dir, work, spec.engine), **(extra_env or {})}
         cuda = spec.engine == "vllm" and vllm_device() == "cuda"
+        tp = tensor_parallel_size(spec)
         if cuda:
-            env.setdefault("CUDA_VISIBLE_DEVICES", capture_gpu_uuid())
+            env.setdefault("CUDA_VISIBLE_DEVICES", ",".join(capture_gpu_uuids(tp)))
+            require_visible_gpus(env["CUDA_VISIBLE_DEVICES"], tp)
         heartbeat = control.OwnerHeartbeat(work).start()
         cleanup.on_exit(heartbeat.stop)
         with timings.phase("launch"):
@@ -290,6 +293,7 @@ def capture_image(spec: ModelSpec, *, image_dir: Path | None = None, force: bool
             raise ProcessTreeError(tree.root_pid, f"the tree lacks its mounts at {control_dir} and {SHM}",
                                    phase="boot engine", log_path=work / control.ENGINE_LOG)
         facts = host_facts(spec.engine, visible=env.get("CUDA_VISIBLE_DEVICES"))
+        gpu_uuids = [str(g["uuid"]) for g in facts.gpus[:tp]] if cuda else []  # rank order
         (staging / CRIU_DIR).mkdir()
         (staging / "logs").mkdir()
         cuda_pids: list[int] = []
@@ -303,6 +307,7 @@ def capture_image(spec: ModelSpec, *, image_dir: Path | None = None, force: bool
                 cuda = CudaCheckpoint()
                 cuda_pids = cuda.cuda_pids(pids)
                 cuda.checkpoint(cuda_pids)
+                require_no_gpu_files(pids, work)
         processes = [{**process_memory(pid), **({"gpu_bytes": gpu_bytes[pid]} if pid in gpu_bytes else {})}
                      for pid in pids]  # after the CUDA checkpoint: what CRIU writes
         with timings.phase("criu dump"):
@@ -340,6 +345,7 @@ def capture_image(spec: ModelSpec, *, image_dir: Path | None = None, force: bool
                 control_dir=str(control_dir), control_mount_key=control_key, shm_mount_key=shm_key,
                 netns_key=NETNS_KEY, oracle=ready.oracle, host=facts,
                 externals=externals, shm_files=shm_files, cuda_processes=len(cuda_pids),
+                tensor_parallel_size=tp, gpu_uuids=gpu_uuids,
                 gpu_memory_required=gpu_memory_required(spec, facts), dependencies=dependencies,
                 timings={**timings.seconds, "engine_boot_to_ready": ready.times.get("prepared", 0)
                          - ready.times.get("start", 0)},
@@ -380,14 +386,53 @@ def end_launched_tree(tree: LaunchedTree) -> None:
         tree.unshare.wait(timeout=30)
 
 
-def capture_gpu_uuid() -> str:
-    """The GPU a vLLM capture runs on when CUDA_VISIBLE_DEVICES does not say: the first one."""
+def tensor_parallel_size(spec: ModelSpec) -> int:
+    """How many GPUs (worker processes) the spec's engine runs on."""
+    if spec.engine != "vllm":
+        return 1
+    from .engine.adapters.vllm_rules import tensor_parallel_size as of_serve
+
+    return max(of_serve(dict(spec.serve)), 1)
+
+
+def capture_gpu_uuids(tp: int = 1) -> list[str]:
+    """The GPUs a vLLM capture runs on when CUDA_VISIBLE_DEVICES does not say: the first ``tp``,
+    in CUDA ordinal order (rank r on the r-th)."""
     from ._cuda import gpu_facts
 
     _, _, gpus = gpu_facts()
     if not gpus:
         raise HostNotReady("gpu", "no CUDA GPU is visible", hint="check nvidia-smi")
-    return str(gpus[0]["uuid"])
+    if len(gpus) < tp:
+        raise HostNotReady("gpu", f"tensor_parallel_size {tp} needs {tp} GPUs; this host has {len(gpus)}",
+                           required=f"{tp} GPUs", found=str(len(gpus)),
+                           hint="capture on a host with enough GPUs, or lower tensor_parallel_size")
+    return [str(g["uuid"]) for g in gpus[:tp]]
+
+
+def require_visible_gpus(visible: str, tp: int) -> None:
+    """CUDA_VISIBLE_DEVICES (the caller's, when it gave one) names at least one GPU per rank."""
+    named = [v for v in visible.split(",") if v.strip()]
+    if len(named) < tp:
+        raise HostNotReady("gpu", f"CUDA_VISIBLE_DEVICES={visible!r} names {len(named)} GPU(s); tensor_parallel_size "
+                                  f"{tp} needs {tp}", required=f"{tp} GPUs", found=str(len(named)),
+                           hint="name one GPU per rank in CUDA_VISIBLE_DEVICES, or unset it (vsnap takes the first)")
+
+
+def require_no_gpu_files(pids: list[int], work: Path) -> None:
+    """After the CUDA checkpoint no process of the tree may hold a GPU device file open: CRIU cannot
+    dump one, and would fail with a less clear error (NVML, which NCCL opens, is the likely holder)."""
+    held = open_device_files(pids)
+    if held:
+        pid, files = next(iter(sorted(held.items())))
+        command = process_memory(pid, top=0)["command"] or "?"
+        others = f" (and {len(held) - 1} more processes)" if len(held) > 1 else ""
+        raise ProcessTreeError(pid, f"{', '.join(files)} still open after the CUDA checkpoint in pid {pid} "
+                                    f"({command[:80]}){others}: CRIU cannot dump a GPU device file",
+                               phase="cuda checkpoint",
+                               log_path=work / control.ENGINE_LOG,
+                               hint="NVML or a CUDA context the checkpoint does not cover holds it; see "
+                                    "docs/troubleshooting.md (GPU device file still open); nothing was published")
 
 
 def gpu_memory_required(spec: ModelSpec, facts: HostFacts) -> int | None:

@@ -165,16 +165,21 @@ def engine_packages(engine: str) -> dict[str, str]:
 
 
 def host_facts(engine: str, visible: str | None = None) -> HostFacts:
-    """This host's facts; ``visible`` (a CUDA_VISIBLE_DEVICES value of UUIDs) limits the GPUs recorded."""
+    """This host's facts; ``visible`` (a CUDA_VISIBLE_DEVICES value of UUIDs or indices) limits the GPUs
+    recorded, in its order."""
     runner = CriuRunner.locate()
     driver, cuda, gpus = None, None, []
     if engine == "vllm" and vllm_device() == "cuda":
         from ._cuda import gpu_facts
 
         driver, cuda, gpus = gpu_facts()
-        if visible:
-            wanted = visible.split(",")
-            gpus = [g for g in gpus if g["uuid"] in wanted or str(g["index"]) in wanted]
+        if visible:  # in the order the tree sees them: rank r runs on the r-th
+            picked: list[dict] = []
+            for wanted in (v.strip() for v in visible.split(",")):
+                match = next((g for g in gpus if wanted in (g["uuid"], str(g["index"]))), None)
+                if match is not None and match not in picked:
+                    picked.append(match)
+            gpus = picked
     return HostFacts(
         driver=driver, cuda=cuda, gpus=gpus,
         hostname=socket.gethostname(),
@@ -223,6 +228,7 @@ WHY_CRIU_NEWER = "CRIU reads the images of older versions"
 WHY_DRIVER = ("the CUDA checkpoint restores the driver's own state, and the tree maps the driver's user-space "
               "library: both must be the capturing driver's")
 WHY_GPU = "the GPU memory restored by the CUDA checkpoint is laid out for the captured GPU model"
+WHY_GPU_COUNT = "a tensor-parallel image restores one worker per GPU, each onto its own GPU of the captured model"
 WHY_FILE = ("the restored tree maps or reads this file by path (CRIU reopens it): another file would run code "
             "or weights the image was not captured with")
 
@@ -346,8 +352,13 @@ def host_differences(manifest: Manifest, current: HostFacts | None = None, *, ha
     default read now), fatal ones first, then warnings; each dependency file that is missing or
     changed is a fatal difference of its own (see dependency_mismatches)."""
     current = current or current_facts(manifest)
-    differences = compare_facts(manifest.host, current, engine=manifest.engine,
-                                cuda=manifest.engine == "vllm" and bool(manifest.cuda_processes))
+    cuda = manifest.engine == "vllm" and bool(manifest.cuda_processes)
+    differences = compare_facts(manifest.host, current, engine=manifest.engine, cuda=cuda)
+    model = manifest.host.gpus[0].get("name") if manifest.host.gpus else None
+    have = sum(1 for g in current.gpus if g.get("name") == model)
+    if cuda and model is not None and 0 < have < manifest.tensor_parallel_size:
+        differences.append(HostDifference("GPU count", f"{manifest.tensor_parallel_size} x {model}",
+                                          f"{have} x {model}", True, WHY_GPU_COUNT))
     differences += [HostDifference(fact, recorded, now, True, WHY_FILE) for fact, recorded, now in
                     dependency_mismatches(manifest.dependencies, hash_files=hash_files, cache_root=cache_root,
                                           rehash=rehash)]

@@ -9,7 +9,7 @@ import stat
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .protocol.control import PROTOCOL_VERSION, LaunchConfig
 from .protocol.errors import ImageError, ImageFormatError, ImageIncompatible
@@ -111,6 +111,11 @@ class Manifest(_Frozen):
     externals: dict[str, str]          # CRIU mount key -> mount point
     shm_files: list[str] = Field(default_factory=list)  # link-remap files to put back in the tree's /dev/shm
     cuda_processes: int = 0            # processes whose CUDA state was checkpointed
+    # vllm: tensor_parallel_size (one worker process per GPU) and the GPUs the ranks ran on, in rank
+    # order (CUDA ordinal order inside the tree). Optional: an image captured before the fields is
+    # one rank on host.gpus[0] (captured_gpus).
+    tensor_parallel_size: int = Field(default=1, ge=1, le=8)
+    gpu_uuids: list[str] = Field(default_factory=list)
     gpu_memory_required: int | None = None  # free GPU memory a restore needs (vLLM's share once awake)
     dependencies: list[Dependency] = Field(default_factory=list)
     timings: dict[str, float] = Field(default_factory=dict)
@@ -122,6 +127,19 @@ class Manifest(_Frozen):
     # Optional: images written before the field read as captured. Informational only: nothing is
     # trusted because of it (`vsnap images` shows it).
     origin: str = CAPTURED
+
+    @model_validator(mode="after")
+    def _one_gpu_per_rank(self) -> "Manifest":
+        if self.gpu_uuids and (len(self.gpu_uuids) != self.tensor_parallel_size
+                               or len(set(self.gpu_uuids)) != len(self.gpu_uuids)):
+            raise ValueError(f"gpu_uuids must name {self.tensor_parallel_size} different GPUs, one per rank")
+        return self
+
+    def captured_gpus(self) -> list[str]:
+        """The UUIDs of the GPUs the tree ran on, in rank order (empty without CUDA state)."""
+        if self.gpu_uuids:
+            return list(self.gpu_uuids)
+        return [str(self.host.gpus[0]["uuid"])] if self.host.gpus and self.cuda_processes else []
 
 
 def read_manifest(image_dir: Path) -> Manifest:

@@ -317,3 +317,28 @@ def mapped_and_open_files(pids: list[int]) -> set[str]:
             continue
     return {f for f in files if not f.endswith(" (deleted)") and os.path.isfile(f)
             and not f.startswith(("/dev/", "/proc/", "/sys/"))}
+
+
+GPU_DEVICE_PREFIX = "/dev/nvidia"
+
+
+def open_device_files(pids: list[int], prefix: str = GPU_DEVICE_PREFIX) -> dict[int, list[str]]:
+    """The device files under ``prefix`` each process has open (fd targets), for the processes
+    that have any. A process that is gone, or whose fds cannot be read, counts as having none."""
+    found: dict[int, list[str]] = {}
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        held = set()
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith(prefix):
+                held.add(target)
+        if held:
+            found[pid] = sorted(held)
+    return found

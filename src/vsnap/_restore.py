@@ -58,7 +58,7 @@ class RestoredServer:
     image_dir: Path
     instance_id: str
     instance_dir: Path  # this instance's control files and logs (bound at the tree's control path)
-    gpu: str | None = None
+    gpu: str | None = None  # the GPU's UUID; a tensor-parallel image's, one per rank, comma-separated
     timings: dict[str, float] = field(default_factory=dict)
     recovery: dict[str, float] = field(default_factory=dict)
     weights_source: str | None = None  # vllm: "image weights file" or "model files"
@@ -296,8 +296,8 @@ def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000,
     """Restore a new instance of the image's tree, activate it on host:port and return once it serves.
 
     Each call gets its own instance directory, PID namespace and (for vLLM) GPU: ``gpu`` is an
-    index or UUID; by default the captured GPU if present, else the first of the same model with
-    enough free memory. ``rehash``: hash every image file even if this host verified it before.
+    index or UUID (a tensor-parallel image: one per rank, comma-separated); by default the
+    captured GPU if present, else the first of the same model with enough free memory. ``rehash``: hash every image file even if this host verified it before.
     ``lazy_pages``: CRIU maps the tree's memory and a `criu lazy-pages` server fills it on first
     touch (then pushes the rest), so CRIU returns sooner. ``standby``: stop after CRIU restored the
     tree, its CUDA state still checkpointed (no GPU memory, no port): `activate_instance` serves it.
@@ -344,7 +344,7 @@ def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000,
                     checks.append(pool.submit(clock.call, "port", check_port_free, host, port))
                 if lazy_pages:
                     checks.append(pool.submit(check_lazy_pages, CriuRunner.locate()))
-                choosing = (pool.submit(clock.call, "gpu", choose_gpu, manifest, gpu)
+                choosing = (pool.submit(clock.call, "gpu", choose_gpus, manifest, gpu)
                             if manifest.cuda_processes and not standby else None)
                 for check in checks:
                     check.result()
@@ -418,11 +418,11 @@ def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000,
     return server
 
 
-def _bring_up(tree: _Tree, host: str, port: int, target: dict | None, timings: Timings,
+def _bring_up(tree: _Tree, host: str, port: int, targets: list[dict] | None, timings: Timings,
               reading: ExitStack) -> RestoredServer:
-    """CUDA restore (onto ``target``), recover (weights, oracle), then serve on host:port: the
-    phases after CRIU, shared by a restore and a standby's activation. ``reading`` holds the
-    image's readers' lock: released once the engine has read the weights."""
+    """CUDA restore (onto ``targets``, one GPU per rank), recover (weights, oracle), then serve on
+    host:port: the phases after CRIU, shared by a restore and a standby's activation. ``reading``
+    holds the image's readers' lock: released once the engine has read the weights."""
     manifest, work, identity, engine_log = tree.manifest, tree.work, tree.identity, tree.engine_log
     if manifest.cuda_processes:
         from ._cuda import CudaCheckpoint
@@ -433,9 +433,7 @@ def _bring_up(tree: _Tree, host: str, port: int, target: dict | None, timings: T
             if len(cuda_pids) != manifest.cuda_processes:
                 raise ProcessTreeError(identity.pid, f"{len(cuda_pids)} CUDA processes after restore, "
                                                      f"{manifest.cuda_processes} at capture", phase="cuda restore")
-            captured = manifest.host.gpus[0]["uuid"] if manifest.host.gpus else None
-            pairs = [(captured, target["uuid"])] if target and captured and target["uuid"] != captured else []
-            cuda.restore(cuda_pids, gpu_pairs=pairs)
+            cuda.restore(cuda_pids, gpu_pairs=gpu_pairs(manifest.captured_gpus(), targets))
         _check_stop(work)
     with timings.phase("recover"):
         control.write_message(work, control.ACTIVATION, Activation(
@@ -449,7 +447,8 @@ def _bring_up(tree: _Tree, host: str, port: int, target: dict | None, timings: T
         serving = hand_over_listener(work, identity, host, port, engine_log)
         handed_over = time.monotonic()
         server = RestoredServer(identity.pid, host, int(serving.detail.get("port", port)), tree.image_dir,
-                                tree.record.id, work, gpu=target["uuid"] if target else None, identity=identity)
+                                tree.record.id, work, gpu=",".join(t["uuid"] for t in targets) if targets else None,
+                                identity=identity)
         health_check(server.url)
         serve_split = {"socket_handoff_s": handed_over - started, "http_start_s": time.monotonic() - handed_over}
     _check_stop(work)
@@ -514,7 +513,7 @@ def activate_instance(instance_id: str, *, host: str = "127.0.0.1", port: int = 
             with ThreadPoolExecutor(max_workers=3) as pool:
                 checks = [pool.submit(clock.call, "files", verify_files, image_dir, manifest, cache_root=VERIFIED_DIR),
                           pool.submit(clock.call, "port", check_port_free, host, port)]
-                choosing = pool.submit(clock.call, "gpu", choose_gpu, manifest, gpu) if manifest.cuda_processes else None
+                choosing = pool.submit(clock.call, "gpu", choose_gpus, manifest, gpu) if manifest.cuda_processes else None
                 for check in checks:
                     check.result()
                 target = choosing.result() if choosing is not None else None
@@ -606,9 +605,27 @@ def _stop_restoring(record: InstanceRecord) -> None:
     remove_instance_shm(shm_dir_of(record.id))
 
 
+def gpu_pairs(captured: list[str], targets: list[dict] | None) -> list[tuple[str, str]]:
+    """The CUDA restore's GPU map: rank r's captured GPU onto ``targets[r]``; none when every rank
+    stays on its GPU (the driver then needs no map)."""
+    if not targets or not captured:
+        return []
+    if len(targets) != len(captured):
+        raise HostNotReady("gpu", f"{len(targets)} GPU(s) chosen for an image of {len(captured)} rank(s)")
+    pairs = [(old, str(new["uuid"])) for old, new in zip(captured, targets)]
+    return [] if all(old == new for old, new in pairs) else pairs
+
+
 def choose_gpu(manifest: Manifest, requested: str | None) -> dict:
-    """The GPU to restore onto: the requested index or UUID, else the captured one, else the first
-    of the captured model with enough free memory. Refuses another model or too little memory."""
+    """The one GPU of a one-rank image (choose_gpus)."""
+    return choose_gpus(manifest, requested)[0]
+
+
+def choose_gpus(manifest: Manifest, requested: str | None) -> list[dict]:
+    """The GPUs to restore onto, one per rank in rank order: the requested indices or UUIDs
+    (``0,1``: as many as the image has ranks, each once), else each rank's captured GPU where it is
+    here and has room, the other ranks on the first other GPUs of the captured model with enough
+    free memory. Refuses another model or too little memory, naming the GPU."""
     from ._cuda import gpu_facts, gpu_free_memory
 
     with ThreadPoolExecutor(max_workers=1) as pool:
@@ -616,7 +633,8 @@ def choose_gpu(manifest: Manifest, requested: str | None) -> dict:
         _, _, gpus = gpu_facts()
         free = freeing.result()
     captured = manifest.host.gpus[0] if manifest.host.gpus else {}
-    need = manifest.gpu_memory_required or 0
+    need = manifest.gpu_memory_required or 0  # on each GPU: vLLM takes its share of every rank's
+    ranks = manifest.tensor_parallel_size
 
     def fits(g: dict) -> str | None:
         if captured and g["name"] != captured.get("name"):
@@ -628,23 +646,55 @@ def choose_gpu(manifest: Manifest, requested: str | None) -> dict:
         return None
 
     if requested is not None:
-        match = [g for g in gpus if requested in (str(g["index"]), g["uuid"])]
+        return _requested_gpus(requested, ranks, gpus, fits)
+    reasons: list[str] = []
+    tried: set[str] = set()
+
+    def take(g: dict) -> bool:
+        tried.add(g["uuid"])
+        reason = fits(g)
+        if reason is not None:
+            reasons.append(reason)
+        return reason is None
+
+    by_uuid = {g["uuid"]: g for g in gpus}
+    wanted = manifest.captured_gpus()[:ranks]
+    chosen: list[dict | None] = [by_uuid.get(u) for u in wanted] + [None] * (ranks - len(wanted))
+    chosen = [g if g is not None and take(g) else None for g in chosen]
+    for rank, g in enumerate(chosen):
+        if g is None:
+            chosen[rank] = next((o for o in gpus if o["uuid"] not in tried and take(o)), None)
+    if any(g is None for g in chosen):
+        lead = "no GPU can take this image" if ranks == 1 else f"fewer than {ranks} GPUs can take this image"
+        raise HostNotReady("gpu", f"{lead}: " + "; ".join(dict.fromkeys(reasons)) if reasons else
+                           ("no GPU is visible" if not gpus else f"this host has {len(gpus)} GPU(s); the image "
+                                                                 f"needs {ranks} (tensor_parallel_size)"),
+                           hint="stop something on a GPU, or restore on a host with free GPUs of the captured model")
+    return [g for g in chosen if g is not None]
+
+
+def _requested_gpus(requested: str, ranks: int, gpus: list[dict], fits: Callable[[dict], str | None]) -> list[dict]:
+    """``--gpu``: one index or UUID per rank, comma-separated, each a GPU of this host taken once."""
+    names = [name.strip() for name in requested.split(",")]
+    example = ",".join(map(str, range(ranks)))
+    if len(names) != ranks or not all(names):
+        raise HostNotReady("gpu", f"--gpu {requested} names {len([n for n in names if n])} GPU(s); the image has "
+                                  f"{ranks} rank(s) (tensor_parallel_size {ranks})",
+                           hint=f"give one GPU index or UUID per rank, in rank order (--gpu {example})")
+    chosen: list[dict] = []
+    for name in names:
+        match = [g for g in gpus if name in (str(g["index"]), g["uuid"])]
         if not match:
-            raise HostNotReady("gpu", f"no GPU {requested} on this host (have {', '.join(str(g['index']) for g in gpus)})",
-                               hint="--gpu takes an index or a UUID from nvidia-smi -L")
+            raise HostNotReady("gpu", f"no GPU {name} on this host (have {', '.join(str(g['index']) for g in gpus)})",
+                               hint="--gpu takes indices or UUIDs from nvidia-smi -L")
+        if match[0] in chosen:
+            raise HostNotReady("gpu", f"--gpu {requested} names GPU {match[0]['index']} twice",
+                               hint=f"one GPU per rank (--gpu {example})")
         reason = fits(match[0])
         if reason:
             raise HostNotReady("gpu", reason, hint="choose another --gpu")
-        return match[0]
-    ordered = sorted(gpus, key=lambda g: g["uuid"] != captured.get("uuid"))
-    reasons = []
-    for g in ordered:
-        reason = fits(g)
-        if reason is None:
-            return g
-        reasons.append(reason)
-    raise HostNotReady("gpu", "no GPU can take this image: " + "; ".join(reasons) if reasons else "no GPU is visible",
-                       hint="stop something on a GPU, or restore on a host with a free GPU of the captured model")
+        chosen.append(match[0])
+    return chosen
 
 
 def wait_server(pid: int, poll_s: float = 0.2) -> None:

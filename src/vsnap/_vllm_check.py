@@ -23,7 +23,8 @@ def _issues(source: str, refusals: list) -> SpecError:
         return argument if argument.startswith("serve") or argument == "model" else f"serve.{argument}"
 
     return SpecError([SpecIssue(source, None, None, field(r.argument), r.reason) for r in refusals],
-                     hint="vsnap captures one local rank of a dense model; docs/model-yaml.md lists the rules")
+                     hint="vsnap captures one local rank, or tensor parallelism over 2 local GPUs; docs/model-yaml.md lists "
+                          "the rules")
 
 
 def require_supported_args(spec: ModelSpec, source: str = "model.yaml") -> str:
@@ -49,7 +50,9 @@ def _require_supported_args(spec: ModelSpec, source: str) -> str:
         raise HostNotReady("engine", f"vLLM cannot be imported: {exc}", hint="pip install 'vsnap[vllm]'") from None
     if args is None or refusals:
         raise _issues(source, refusals)
-    refusals = vllm_rules.argument_refusals(args, environ={**os.environ, "VLLM_WORKER_MULTIPROC_METHOD": "spawn"})
+    # the environment the engine will have: the caller's, with what the engine sets over it at TP > 1
+    environ = {**os.environ, **vllm_rules.TP_ENVIRONMENT, "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+    refusals = vllm_rules.argument_refusals(args, environ=environ)
     if refusals:
         raise _issues(source, refusals)
     require_engine_reads(args, spec, source)

@@ -43,11 +43,13 @@ def test_uuid_round_trip() -> None:
     assert _cuda._uuid_bytes(text) == bytes(range(16))
 
 
-def _manifest_with_gpu(need: int):
-    from types import SimpleNamespace
+def _manifest_with_gpu(need: int, tp: int = 1, uuids: list[str] | None = None):
+    from tests.unit import fake_image
 
-    host = SimpleNamespace(gpus=[{"index": 0, "name": "NVIDIA H200", "uuid": "GPU-a", "memory_bytes": 100}])
-    return SimpleNamespace(host=host, gpu_memory_required=need)
+    gpus = [{"index": i, "name": "NVIDIA H200", "uuid": u, "memory_bytes": 100} for i, u in enumerate(uuids or ["GPU-a"])]
+    return fake_image.manifest(host=fake_image.host_facts(gpus=gpus), engine="vllm", cuda_processes=tp + 1,
+                               gpu_memory_required=need, tensor_parallel_size=tp,
+                               gpu_uuids=list(uuids) if uuids else [])
 
 
 def test_choose_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -165,3 +167,79 @@ def test_nvidia_smi_rows_parsed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_cuda, "_nvml_free_memory", lambda: None)  # no NVML: nvidia-smi answers
     assert _cuda.gpu_free_memory() == {"GPU-a": 1024 << 20}
     assert _cuda.gpu_memory_by_pid() == {11: 768 << 20, 12: 100 << 20}
+
+
+H200S = [{"index": i, "name": "NVIDIA H200", "uuid": f"GPU-{c}"} for i, c in enumerate("abcd")]
+
+
+def test_choose_gpus_for_a_tensor_parallel_image(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One GPU per rank, in rank order: each rank on its captured GPU where it has room, the others
+    on the first other GPUs that do; --gpu names one per rank, each once."""
+    from vsnap import _cuda, _restore
+    from vsnap.protocol.errors import HostNotReady
+
+    free = {"GPU-a": 90, "GPU-b": 90, "GPU-c": 90, "GPU-d": 90}
+    monkeypatch.setattr(_cuda, "gpu_facts", lambda: ("580", "13.0", H200S))
+    monkeypatch.setattr(_cuda, "gpu_free_memory", lambda: free)
+    manifest = _manifest_with_gpu(50, tp=2, uuids=["GPU-b", "GPU-a"])  # rank 0 ran on GPU-b
+    assert [g["uuid"] for g in _restore.choose_gpus(manifest, None)] == ["GPU-b", "GPU-a"]
+    free["GPU-b"] = 10  # rank 0's GPU is busy: rank 1 keeps its own
+    assert [g["uuid"] for g in _restore.choose_gpus(manifest, None)] == ["GPU-c", "GPU-a"]
+    assert [g["uuid"] for g in _restore.choose_gpus(manifest, "3,2")] == ["GPU-d", "GPU-c"]
+    assert [g["uuid"] for g in _restore.choose_gpus(manifest, "GPU-c, 0")] == ["GPU-c", "GPU-a"]
+    with pytest.raises(HostNotReady, match=r"--gpu 2 names 1 GPU\(s\); the image has 2 rank\(s\)"):
+        _restore.choose_gpus(manifest, "2")
+    with pytest.raises(HostNotReady, match="names GPU 2 twice"):
+        _restore.choose_gpus(manifest, "2,GPU-c")
+    with pytest.raises(HostNotReady, match="GPU 1 has 0.0 GiB free"):
+        _restore.choose_gpus(manifest, "1,2")
+    with pytest.raises(HostNotReady, match="names 1 GPU"):
+        _restore.choose_gpus(manifest, "2,")
+    free.update({"GPU-c": 10, "GPU-d": 10})
+    with pytest.raises(HostNotReady, match="fewer than 2 GPUs can take this image: GPU 1 has"):
+        _restore.choose_gpus(manifest, None)
+    monkeypatch.setattr(_cuda, "gpu_facts", lambda: ("580", "13.0", H200S[:1]))
+    with pytest.raises(HostNotReady, match=r"this host has 1 GPU\(s\); the image needs 2"):
+        _restore.choose_gpus(_manifest_with_gpu(0, tp=2, uuids=["GPU-a", "GPU-b"]), None)
+
+
+def test_gpu_pairs_map_each_rank_and_nothing_when_all_stay() -> None:
+    from vsnap import _restore
+
+    a, b, c = ({"uuid": u} for u in ("GPU-a", "GPU-b", "GPU-c"))
+    assert _restore.gpu_pairs(["GPU-a"], [a]) == []  # one rank on its own GPU: no map, as before
+    assert _restore.gpu_pairs(["GPU-a"], [b]) == [("GPU-a", "GPU-b")]
+    assert _restore.gpu_pairs(["GPU-a", "GPU-b"], [a, b]) == []
+    assert _restore.gpu_pairs(["GPU-a", "GPU-b"], [b, c]) == [("GPU-a", "GPU-b"), ("GPU-b", "GPU-c")]
+    assert _restore.gpu_pairs(["GPU-a", "GPU-b"], [a, c]) == [("GPU-a", "GPU-a"), ("GPU-b", "GPU-c")]
+    assert _restore.gpu_pairs([], None) == []
+
+
+def test_a_manifest_without_the_tensor_parallel_fields_reads_as_one_rank(tmp_path) -> None:
+    """Images captured before tensor parallelism: one rank, on the first recorded GPU."""
+    import json
+
+    from tests.unit import fake_image
+    from vsnap._manifest import read_manifest
+
+    gpus = [{"index": 0, "name": "NVIDIA H200", "uuid": "GPU-a", "memory_bytes": 100}]
+    raw = json.loads(fake_image.manifest(host=fake_image.host_facts(gpus=gpus), cuda_processes=2).model_dump_json())
+    del raw["tensor_parallel_size"], raw["gpu_uuids"]
+    manifest = read_manifest(fake_image.make_image(tmp_path / "images" / "old", raw=raw))
+    assert manifest.tensor_parallel_size == 1 and manifest.gpu_uuids == []
+    assert manifest.captured_gpus() == ["GPU-a"]
+    assert fake_image.manifest(cuda_processes=0).captured_gpus() == []  # no CUDA state: no GPU
+
+
+def test_a_manifest_needs_one_different_gpu_per_rank() -> None:
+    from pydantic import ValidationError
+
+    from tests.unit import fake_image
+
+    assert fake_image.manifest(tensor_parallel_size=2, gpu_uuids=["GPU-a", "GPU-b"]).captured_gpus() == [
+        "GPU-a", "GPU-b"]
+    for uuids in (["GPU-a"], ["GPU-a", "GPU-a"]):
+        with pytest.raises(ValidationError, match="gpu_uuids must name 2 different GPUs"):
+            fake_image.manifest(tensor_parallel_size=2, gpu_uuids=uuids)
+    with pytest.raises(ValidationError):
+        fake_image.manifest(tensor_parallel_size=0)

@@ -218,3 +218,16 @@ def test_a_failed_restore_names_the_differences_that_did_not_stop_it() -> None:
     untouched = CriuError("restore", 1, "/x/restore.log", "", hint="read the log")
     _note_host_differences([])(type(untouched), untouched, None)
     assert untouched.hint == "read the log"
+
+
+def test_a_tensor_parallel_image_needs_a_gpu_of_its_model_per_rank() -> None:
+    two = [GPU, {**GPU, "index": 1, "uuid": "GPU-bbbb"}]
+    image = manifest(engine="vllm", cuda_processes=3, tensor_parallel_size=2, gpu_uuids=["GPU-aaaa", "GPU-bbbb"],
+                     host=host_facts(driver="580", cuda="13.0", gpus=two, vllm="0.26.0"))
+    here = host_facts(driver="580", cuda="13.0", vllm="0.26.0")
+    assert lines(host_differences(image, here.model_copy(update={"gpus": two}))) == []
+    assert lines(host_differences(image, here.model_copy(update={"gpus": [GPU]}))) == [
+        ("GPU count: image has '2 x NVIDIA H200', host has '1 x NVIDIA H200'", True)]
+    one = manifest(engine="vllm", cuda_processes=2, host=host_facts(driver="580", cuda="13.0", gpus=[GPU],
+                                                                    vllm="0.26.0"))
+    assert lines(host_differences(one, here.model_copy(update={"gpus": [GPU]}))) == []  # one rank: as before

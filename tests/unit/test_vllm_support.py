@@ -18,6 +18,10 @@ def _config(**model: object) -> SimpleNamespace:
 
 def test_support_names_tested_and_trusted_features() -> None:
     assert configuration_support(_config()) == []
+    tp2 = _config()
+    tp2.parallel_config = SimpleNamespace(tensor_parallel_size=2)
+    assert configuration_support(tp2) == [
+        ("tensor parallelism over 2 GPUs (NCCL and CUDA graphs rebuilt at every restore)", "on trust")]
     assert configuration_support(_config(quantization="fp8")) == [("quantization fp8", "tested")]
     assert configuration_support(_config(quantization="awq")) == [("quantization awq", "on trust")]
     assert configuration_support(_config(is_moe=True, architectures=["Qwen3MoeForCausalLM"])) == [

@@ -58,8 +58,9 @@ def test_plain_single_gpu_args_accepted(tiny_llama: Path) -> None:
 
 
 @pytest.mark.parametrize("serve,argument", [
-    ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
+    ({"tensor_parallel_size": 3}, "tensor_parallel_size"),
     ({"pipeline_parallel_size": 2}, "pipeline_parallel_size"),
+    ({"enable_eplb": True}, "enable_eplb"),
     ({"data_parallel_size": 2}, "data_parallel_size"),
     ({"decode_context_parallel_size": 2}, "decode_context_parallel_size"),
     ({"api_server_count": 2}, "api_server_count"),
@@ -252,10 +253,12 @@ def test_validate_spec_reports_refused_argument(tiny_llama: Path, tmp_path: Path
     from vsnap._vllm_check import require_supported_args
 
     spec_path = tmp_path / "m.yaml"
-    spec_path.write_text(f"name: m\nengine: vllm\nmodel: {tiny_llama}\nserve:\n  tensor_parallel_size: 2\n")
+    spec_path.write_text(f"name: m\nengine: vllm\nmodel: {tiny_llama}\nserve:\n  tensor_parallel_size: 4\n")
     with pytest.raises(SpecError) as info:
         require_supported_args(load_spec(spec_path), str(spec_path))
-    assert str(info.value.issues[0]) == f"{spec_path} serve.tensor_parallel_size: snapshots need tensor_parallel_size=1 (one GPU, one rank)"
+    assert str(info.value.issues[0]) == (
+        f"{spec_path} serve.tensor_parallel_size: tensor parallelism on vLLM's CPU backend uses its shared-memory "
+        "communicator, which vsnap does not rebuild (set tensor_parallel_size: 1 on a host without a GPU)")
 
 
 def test_validate_spec_refuses_a_cpu_head_size(tiny_llama_hd48: Path, tmp_path: Path) -> None:
@@ -545,3 +548,131 @@ def test_a_worker_extension_must_be_installed_in_roots_site_packages(tiny_llama:
     assert "accepted" in _validate(tmp_path, tiny_llama, "  worker_extension_cls: packaging.version.Version\n")
     with pytest.raises(SpecError, match="worker_extension_cls"):  # the standard library is not installed code
         _validate(tmp_path, tiny_llama, "  worker_extension_cls: json.decoder.JSONDecoder\n")
+
+
+# Tensor parallelism over two GPUs (docs/design/tensor-parallel-2.md): vsnap's settings, and every refusal.
+
+TP2 = {"tensor_parallel_size": 2}
+
+
+def test_tensor_parallel_2_is_accepted_with_vsnaps_settings(tiny_llama: Path) -> None:
+    """vsnap sets what keeps IPC and multicast memory out of the engine, and the mp executor."""
+    args, refusals = vllm_rules.parse_serve_args(str(tiny_llama), TP2, cuda=True, environ={})
+    assert refusals == [] and vllm_rules.argument_refusals(args, SPAWN) == []
+    assert args.tensor_parallel_size == 2 and args.disable_custom_all_reduce is True
+    assert args.distributed_executor_backend == "mp"
+    passes = args.compilation_config.pass_config
+    assert passes.fuse_allreduce_rms is False
+    assert [getattr(passes, name) for name in ("enable_sp", "fuse_gemm_comms") if hasattr(passes, name)] in (
+        [False, False], [])  # vLLM 0.32 moved them out of the pass config
+    # given as vsnap sets them: accepted too
+    assert refused(tiny_llama, {**TP2, "disable_custom_all_reduce": True, "distributed_executor_backend": "mp",
+                                "compilation_config": {"pass_config": {"fuse_allreduce_rms": False}}}) == []
+    # one rank: nothing changes (and the parser's shared default config was not touched above)
+    args, _ = vllm_rules.parse_serve_args(str(tiny_llama), {}, cuda=True, environ={})
+    assert args.disable_custom_all_reduce is False and args.distributed_executor_backend is None
+    assert args.compilation_config.pass_config.fuse_allreduce_rms is None
+
+
+def test_the_vsnap_environment_passes_and_the_helpers_read_the_spec() -> None:
+    env = {**SPAWN, **vllm_rules.TP_ENVIRONMENT}
+    assert env["VLLM_ALLREDUCE_USE_SYMM_MEM"] == "0" and env["NCCL_NVLS_ENABLE"] == "0"
+    assert vllm_rules.tensor_parallel_size({"tensor_parallel_size": 2}) == 2
+    assert vllm_rules.tensor_parallel_size({"tensor-parallel-size": "2"}) == 2
+    assert vllm_rules.tensor_parallel_size({"tensor_parallel_size": True}) == 1
+    assert vllm_rules.tensor_parallel_size({}) == 1
+    assert vllm_rules.recaptures_graphs(2, {}) and not vllm_rules.recaptures_graphs(1, {})
+    assert vllm_rules.recaptures_graphs(1, {vllm_rules.TP1_RECAPTURE_ENV: "1"})
+
+
+@pytest.mark.parametrize("serve,expected", [
+    ({"disable_custom_all_reduce": False}, "serve.disable_custom_all_reduce: must be true with tensor parallelism"),
+    ({"compilation_config": {"pass_config": {"fuse_allreduce_rms": True}}},
+     "serve.compilation_config.pass_config.fuse_allreduce_rms: must be false with tensor parallelism"),
+    ({"compilation_config": {"pass_config": {"enable_sp": True}}},
+     "serve.compilation_config.pass_config.enable_sp: must be false"),
+    ({"compilation_config": {"pass_config": {"fuse_gemm_comms": True}}},
+     "serve.compilation_config.pass_config.fuse_gemm_comms: must be false"),
+    ({"distributed_executor_backend": "uni"}, "distributed_executor_backend: tensor parallelism needs the mp executor"),
+    ({"distributed_executor_backend": "ray"}, "distributed_executor_backend: snapshots need a local executor"),
+    ({"worker_extension_cls": "pkg.mod.Extension"}, "worker_extension_cls: tensor parallelism needs vsnap's own"),
+    ({"enable_dbo": True}, "enable_dbo: dual-batch overlap's micro-batch CUDA graphs"),
+    ({"ubatch_size": 2}, "enable_dbo: dual-batch overlap's micro-batch CUDA graphs"),
+    ({"pipeline_parallel_size": 2}, "pipeline_parallel_size: pipeline parallelism sends tensors between stages"),
+    ({"data_parallel_size": 2}, "data_parallel_size: data parallelism runs several engine cores"),
+    ({"decode_context_parallel_size": 2}, "decode_context_parallel_size: context parallelism"),
+    ({"nnodes": 2}, "nnodes: a snapshot covers the process tree of one host"),
+    ({"node_rank": 1}, "node_rank: a snapshot covers the process tree of one host"),
+    ({"headless": True}, "headless: snapshots need the one Python HTTP frontend"),
+    ({"enable_expert_parallel": True}, "enable_expert_parallel: expert parallelism uses all-to-all buffers"),
+    ({"enable_eplb": True}, "enable_eplb: expert load balancing keeps its own NCCL communicator"),
+    ({"enable_elastic_ep": True}, "enable_elastic_ep: elastic expert parallelism needs Ray"),
+    ({"tensor_parallel_size": 4}, "tensor_parallel_size: tensor_parallel_size 4 is not supported until a GPU record"),
+])
+def test_what_tensor_parallelism_refuses_names_the_cause_and_the_fix(tiny_llama: Path, serve: dict,
+                                                                    expected: str) -> None:
+    key = next(iter(serve))
+    if key.replace("-", "_") not in _parser_dests():
+        pytest.skip(f"this vLLM has no {key}")
+    if key == "compilation_config":
+        from vllm.config.compilation import PassConfig
+
+        [field] = serve[key]["pass_config"]
+        if field not in PassConfig.__dataclass_fields__:
+            pytest.skip(f"this vLLM's PassConfig has no {field}")
+    found = refused(tiny_llama, {**TP2, **serve})
+    assert any(r.startswith(expected) for r in found), found
+    assert all("\n" not in r for r in found)  # one line each
+
+
+def test_weight_transfer_is_refused_with_tensor_parallelism(tiny_llama: Path) -> None:
+    args, refusals = vllm_rules.parse_serve_args(str(tiny_llama), TP2, cuda=True, environ={})
+    args.weight_transfer_config = {"backend": "nccl"}  # what its parser makes of a given value is not the point
+    assert [r.argument for r in vllm_rules.argument_refusals(args, SPAWN)] == ["weight_transfer_config"]
+
+
+@pytest.mark.parametrize("name,value", [
+    ("VLLM_USE_NCCL_SYMM_MEM", "1"), ("VLLM_ALLREDUCE_USE_FLASHINFER", "1"), ("VLLM_DISABLE_PYNCCL", "true"),
+    ("VLLM_DISTRIBUTED_USE_SPLIT_GROUP", "1"), ("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),
+    ("VLLM_USE_BREAKABLE_CUDAGRAPH", "1"), ("VLLM_ALLREDUCE_USE_SYMM_MEM", "1"), ("NCCL_NVLS_ENABLE", "1"),
+    ("NCCL_RAS_ENABLE", "1"), ("NCCL_CUMEM_ENABLE", "0"),
+])
+def test_environment_refused_with_tensor_parallelism(tiny_llama: Path, name: str, value: str) -> None:
+    env = {**SPAWN, **vllm_rules.TP_ENVIRONMENT, name: value}
+    found = refused(tiny_llama, TP2, env)
+    assert len(found) == 1 and found[0].startswith(f"{name}: ") and found[0].endswith("(unset it)"), found
+    assert refused(tiny_llama, {}, env) == []  # one rank: the environment is not checked
+
+
+def test_tensor_parallelism_on_the_cpu_backend_is_refused(tiny_llama: Path) -> None:
+    assert refused(tiny_llama, TP2, cuda=False) == [
+        "tensor_parallel_size: tensor parallelism on vLLM's CPU backend uses its shared-memory communicator, which "
+        "vsnap does not rebuild (set tensor_parallel_size: 1 on a host without a GPU)"]
+
+
+def test_one_rank_recapture_refuses_dual_batch_overlap(tiny_llama: Path) -> None:
+    env = {**SPAWN, vllm_rules.TP1_RECAPTURE_ENV: "1"}
+    assert [r.split(":")[0] for r in refused(tiny_llama, {"enable_dbo": True}, env)] == ["enable_dbo"]
+    assert refused(tiny_llama, {"enable_dbo": True}) == []  # without the opt-in: as before
+    assert refused(tiny_llama, {}, env) == []
+
+
+def test_a_resolved_tensor_parallel_config(tiny_llama: Path) -> None:
+    """vLLM's own resolved configuration of TP=2 with vsnap's settings (resolved on this host's
+    CPU platform: the model rules are then read as on CUDA)."""
+    args, refusals = vllm_rules.parse_serve_args(str(tiny_llama), {**TP2, "max_model_len": 512}, cuda=True,
+                                                 environ={})
+    assert refusals == []
+    args.enable_sleep_mode = False  # vLLM refuses sleep mode on its CPU platform
+    try:
+        config = vllm_rules.resolve_config(args)
+    except Exception as exc:  # this vLLM's CPU platform cannot resolve TP=2 here
+        pytest.skip(f"vLLM does not resolve TP=2 on this host: {type(exc).__name__}: {exc}")
+    assert config.parallel_config.world_size == 2 and config.parallel_config.disable_custom_all_reduce
+    assert [r.argument for r in vllm_rules.config_refusals(config, is_cuda=True)] == ["enable_sleep_mode"]
+    assert "tensor_parallel_size" in [r.argument for r in vllm_rules.config_refusals(config, is_cuda=False)]
+    assert ("tensor parallelism over 2 GPUs (NCCL and CUDA graphs rebuilt at every restore)", "on trust") in \
+        vllm_rules.configuration_support(config)
+    config.compilation_config.pass_config.fuse_allreduce_rms = True  # as vLLM's -O2 default would on an H200
+    assert "compilation_config.pass_config.fuse_allreduce_rms" in [
+        r.argument for r in vllm_rules.config_refusals(config, is_cuda=True)]

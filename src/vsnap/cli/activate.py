@@ -19,8 +19,9 @@ def activate(
     instance: str = typer.Argument(..., help="the standby's instance id (vsnap ps)"),
     host: str = typer.Option("127.0.0.1", "--host", help="address to serve on"),
     port: int = typer.Option(8000, "--port", min=0, max=65535, help="port to serve on (0: any free port)"),
-    gpu: Optional[str] = typer.Option(None, "--gpu", help="GPU index or UUID (default: the captured GPU, else the "
-                                                          "first of its model with enough free memory)"),
+    gpu: Optional[str] = typer.Option(None, "--gpu", help="GPU index or UUID (a tensor-parallel image takes one per "
+                                                          "rank: --gpu 0,1; default: the captured GPUs, else the first "
+                                                          "of their model with enough free memory)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON document on stdout"),
 ) -> None:
     from .. import _restore  # here, not at import: every vsnap command loads every command module

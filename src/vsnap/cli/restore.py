@@ -23,8 +23,9 @@ def restore(
     image: Path = typer.Argument(..., help="image directory"),
     host: str = typer.Option("127.0.0.1", "--host", help="address to serve on"),
     port: int = typer.Option(8000, "--port", min=0, max=65535, help="port to serve on (0: any free port)"),
-    gpu: Optional[str] = typer.Option(None, "--gpu", help="GPU index or UUID (vLLM images; default: the captured GPU, "
-                                                  "else the first of its model with enough free memory)"),
+    gpu: Optional[str] = typer.Option(None, "--gpu", help="GPU index or UUID (vLLM images; a tensor-parallel image "
+                                                  "takes one per rank: --gpu 0,1; default: the captured GPUs, else "
+                                                  "the first of their model with enough free memory)"),
     detach: bool = typer.Option(False, "--detach", help="leave the server running and print its pid"),
     rehash: bool = typer.Option(False, "--rehash", help="hash every image file, even those this host "
                                                         "verified before and that did not change since"),

@@ -14,6 +14,13 @@ memory left to checkpoint).
 recover(): wake the weights, stream them back from the image's weights file (or reload them
 from the model's safetensors through vLLM's loader), wake the KV cache.
 serve(): vLLM's own OpenAI app on the socket bound after activation.
+
+Tensor parallelism (tensor_parallel_size 2, one worker process per GPU): every worker method
+runs on each rank (results merged by merge_ranks; one weights file per rank). Before each sleep
+the workers drop their CUDA graphs and destroy their NCCL communicators (vllm_tp); after each
+wake they rebuild the communicators and capture the graphs again, in the rehearsal and at every
+restore (``nccl_init_s``, ``graph_capture_s``). With one rank the same drop and recapture run
+when vllm_rules.TP1_RECAPTURE_ENV is 1 in the capture's environment.
 """
 
 from __future__ import annotations
@@ -61,6 +68,36 @@ def changed_state(before: dict[str, int], after: dict[str, int]) -> list[str]:
     return [name for name, value in before.items() if after.get(name) != value]
 
 
+# Deadlines of the tensor-parallel worker calls (a rank that fails while the other waits in a
+# collective would otherwise hang the engine core); the engine's own wait adds RPC_MARGIN_S.
+DISCONNECT_TIMEOUT_S = 120.0
+BARRIER_TIMEOUT_S = 60.0  # vsnap_tp_reconnect's gloo barrier, inside its call
+RECONNECT_TIMEOUT_S = 180.0
+RECAPTURE_TIMEOUT_S = 300.0  # vLLM: "This usually takes 5~20 seconds"; the restore waits 600 s for recover
+RPC_MARGIN_S = 30.0
+
+
+def merge_ranks(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One worker method's results, one dict per rank, as one: a single rank's as it is; else
+    times (``*_s``) the slowest rank's (the ranks run side by side), other numbers summed (bytes,
+    counts, rates ``*_per_s``), anything else rank 0's where all ranks agree, else each rank's
+    after its name."""
+    if len(results) <= 1:
+        return dict(results[0]) if results else {}
+    merged: dict[str, Any] = {}
+    for key in dict.fromkeys(k for result in results for k in result):
+        values = [result.get(key) for result in results]
+        numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        if len(numbers) == len(values):
+            slowest = key.endswith("_s") and not key.endswith("_per_s")  # rates add up, like bytes
+            merged[key] = max(numbers) if slowest else sum(numbers)
+        elif all(v == values[0] for v in values):
+            merged[key] = values[0]
+        else:
+            merged[key] = "; ".join(f"rank{rank} {value}" for rank, value in enumerate(values))
+    return merged
+
+
 def _report(values: dict[str, Any]) -> str:
     """Byte counts in MB, for the engine log."""
     return ", ".join(f"{k.removesuffix('_bytes')} {v / 1e6:.1f} MB" if k.endswith("_bytes") else f"{k} {v}"
@@ -77,6 +114,8 @@ class VllmAdapter(EngineAdapter):
         # "image memory": the CPU backend, where they never left
         self.weights_source = "model"
         self.cuda = True
+        self.tp = 1  # tensor_parallel_size: worker processes, one GPU each
+        self.recapture = False  # drop CUDA graphs and NCCL before each sleep, rebuild after each wake
 
     async def build(self) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -101,6 +140,15 @@ class VllmAdapter(EngineAdapter):
             args.worker_extension_cls = vllm_weights.EXTENSION
             # the worker, spawned below, captures its CUDA graphs into the sleep allocator
             os.environ.setdefault(vllm_weights.GRAPH_POOL_ENV, "sleep")
+        self.tp = int(getattr(args, "tensor_parallel_size", 1) or 1)
+        if self.cuda and vllm_rules.recaptures_graphs(self.tp):
+            if args.worker_extension_cls != vllm_weights.EXTENSION:  # TP itself refuses one (argument_refusals)
+                raise _refuse("build engine", [vllm_rules.Refusal(
+                    vllm_rules.TP1_RECAPTURE_ENV, "dropping and capturing CUDA graphs again needs vsnap's worker "
+                                                  "extension: remove worker_extension_cls or unset it")])
+            self.recapture = True
+        if self.tp > 1:  # for EngineCore and the workers spawned below (only with TP: one rank keeps its environment)
+            os.environ.update(vllm_rules.TP_ENVIRONMENT)
         self.args = args
         engine_args = AsyncEngineArgs.from_cli_args(args)
         config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
@@ -149,25 +197,37 @@ class VllmAdapter(EngineAdapter):
 
     async def _sleep(self) -> None:
         """Sleep level 2, then release what the next wake rebuilds by itself. The rehearsal runs
-        this too, so a restore wakes from exactly the state the capture checkpointed."""
+        this too, so a restore wakes from exactly the state the capture checkpointed. With
+        tensor parallelism (or the one-rank opt-in) the workers first drop their CUDA graphs and
+        NCCL communicators, awake (vllm_tp)."""
         ours = self.args.worker_extension_cls == vllm_weights.EXTENSION
+        disconnected = await self._rpc("vsnap_tp_disconnect", timeout=DISCONNECT_TIMEOUT_S) if self.recapture else {}
+        if disconnected:
+            print(f"vsnap: disconnected: {_report(disconnected)}", flush=True)
         tagged = await self._rpc("vsnap_before_sleep") if ours else {}
         await self.engine.sleep(level=2)
         if ours:
             released = await self._rpc("vsnap_release_memory")
             print(f"vsnap: after sleep: {_report({**tagged, **released})}", flush=True)
 
-    async def _rpc(self, method: str, *args: Any) -> dict[str, Any]:
-        results = await self.engine.collective_rpc(method, args=args)
-        return dict(results[0]) if results else {}
+    async def _rpc_all(self, method: str, *args: Any, timeout: float | None = None) -> list[dict[str, Any]]:
+        """``method`` on every worker (rank order), each result as a dict ({} for None). With a
+        ``timeout`` the executor gives up after it, and this wait RPC_MARGIN_S later."""
+        call = self.engine.collective_rpc(method, timeout=timeout, args=args)
+        results = await (asyncio.wait_for(call, timeout + RPC_MARGIN_S) if timeout is not None else call)
+        return [dict(result) if result else {} for result in results or []]
+
+    async def _rpc(self, method: str, *args: Any, timeout: float | None = None) -> dict[str, Any]:
+        return merge_ranks(await self._rpc_all(method, *args, timeout=timeout))
 
     def _weights_file_visible(self, weights_dir: str | None) -> bool:
         if self.weights_source != "file" or not weights_dir:
             return False
-        if Path(weights_dir, vllm_weights.file_name(0)).is_file():
+        missing = [name for name in map(vllm_weights.file_name, range(self.tp)) if not Path(weights_dir, name).is_file()]
+        if not missing:
             return True
-        print(f"vsnap: {weights_dir} is not visible in the restored tree; reloading from the model's files",
-              flush=True)
+        print(f"vsnap: {', '.join(missing)} of {weights_dir} not visible in the restored tree; reloading from the "
+              "model's files", flush=True)
         return False
 
     async def recover(self, activation: Activation) -> dict[str, Any]:
@@ -190,14 +250,25 @@ class VllmAdapter(EngineAdapter):
             times.update(await self._rpc("vsnap_finish_loading_weights"))
             times["reload_weights_s"] = time.monotonic() - start  # weights and KV cache, overlapped
             times["weights_source"] = "image weights file"
-            return times
-        await self.engine.collective_rpc("reload_weights")
-        times["reload_weights_s"] = time.monotonic() - start
-        times["weights_source"] = "model files"
-        start = time.monotonic()
-        await self.engine.wake_up(tags=["kv_cache"])
-        times["wake_kv_cache_s"] = time.monotonic() - start
+        else:
+            await self.engine.collective_rpc("reload_weights")
+            times["reload_weights_s"] = time.monotonic() - start
+            times["weights_source"] = "model files"
+            start = time.monotonic()
+            await self.engine.wake_up(tags=["kv_cache"])
+            times["wake_kv_cache_s"] = time.monotonic() - start
+        if self.recapture:
+            times.update(await self._reconnect())
         return times
+
+    async def _reconnect(self) -> dict[str, float]:
+        """After the wake: fresh NCCL communicators, then the CUDA graphs captured again on them
+        (the graphs' dummy forwards need the weights and the KV cache mapped)."""
+        reconnected = await self._rpc("vsnap_tp_reconnect", BARRIER_TIMEOUT_S, timeout=RECONNECT_TIMEOUT_S)
+        captured = await self._rpc("vsnap_recapture_graphs", timeout=RECAPTURE_TIMEOUT_S)
+        print(f"vsnap: reconnected: {_report({**reconnected, **captured})}", flush=True)
+        return {"nccl_init_s": float(reconnected.get("nccl_init_s", 0.0)),
+                "graph_capture_s": float(captured.get("graph_capture_s", 0.0))}
 
     async def _rehearse(self, oracle: Oracle, before: dict[str, int]) -> None:
         """Sleep, wake and reload as a restore will, then require the same oracle. On a mismatch
@@ -219,7 +290,10 @@ class VllmAdapter(EngineAdapter):
         """Checksums of the model's tensors (vsnap_fingerprint); {} if they cannot be taken: they
         only explain a failure, they must never cause one."""
         try:
-            return await self._rpc("vsnap_fingerprint")
+            results = await self._rpc_all("vsnap_fingerprint")
+            if len(results) == 1:
+                return results[0]
+            return {f"rank{rank} {name}": value for rank, sums in enumerate(results) for name, value in sums.items()}
         except Exception as exc:
             print(f"vsnap: could not take the tensors' checksums ({type(exc).__name__}: {exc})", flush=True)
             return {}

@@ -3,7 +3,8 @@
 Two stages, as in vLLM's startup-snapshot reference:
 
 * argument rules, on the parsed serve arguments, before anything starts: one Python HTTP
-  frontend, one local rank, no external load balancing or expert parallelism, a local
+  frontend, one local rank or tensor parallelism over 2 local GPUs (mp executor, CUDA, the
+  settings of TP_SETTINGS), no external load balancing or expert parallelism, a local
   executor, logprobs that can be compared, Linux x86_64, spawned workers;
 * model rules, on the resolved VllmConfig, before workers are built: a generation model, not
   multimodal (untried), no KV/EC transfer, weights that can be reloaded from safetensors, no CPU
@@ -33,6 +34,7 @@ validate/capture time) or an engine error (inside the tree). vllm is imported la
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import platform
@@ -50,21 +52,94 @@ class Refusal:
         return f"{self.argument}: {self.reason}"
 
 
-SINGLE_RANK_SIZES = (
-    "tensor_parallel_size",
-    "pipeline_parallel_size",
-    "data_parallel_size",
-    "prefill_context_parallel_size",
-    "decode_context_parallel_size",
-    "nnodes",
+# Sizes that must stay 1, each with why and what to do instead (tensor_parallel_size: TP rules below).
+SINGLE_RANK_SIZES: dict[str, str] = {
+    "pipeline_parallel_size": "pipeline parallelism sends tensors between stages over torch's NCCL process groups, "
+                              "which cannot be rebuilt after a restore (set it to 1; tensor_parallel_size: 2 splits "
+                              "a model over two GPUs)",
+    "data_parallel_size": "data parallelism runs several engine cores and a coordinator with their own NCCL groups, "
+                          "which a snapshot cannot carry (set it to 1; restore one image per GPU instead)",
+    "prefill_context_parallel_size": "context parallelism adds groups and a torch NCCL all-to-all that cannot be "
+                                     "rebuilt after a restore (set it to 1)",
+    "decode_context_parallel_size": "context parallelism adds groups and a torch NCCL all-to-all that cannot be "
+                                    "rebuilt after a restore (set it to 1)",
+    "nnodes": "a snapshot covers the process tree of one host: several nodes cannot be frozen together (set it to 1)",
+}
+LOCAL = "snapshots need local single-rank execution"
+EXPERT = ("expert parallelism uses all-to-all buffers in peer or NVSHMEM memory, which a CUDA checkpoint cannot "
+          "carry (leave it off: the experts are then split by tensor parallelism)")
+LOAD_BALANCING_FLAGS: dict[str, str] = {
+    "data_parallel_external_lb": LOCAL,
+    "data_parallel_hybrid_lb": LOCAL,
+    "data_parallel_multi_port_external_lb": LOCAL,
+    "enable_expert_parallel": EXPERT,
+    "enable_eplb": "expert load balancing keeps its own NCCL communicator, which a snapshot cannot carry (leave it "
+                   "off)",
+    "enable_elastic_ep": "elastic expert parallelism needs Ray and rebuilds groups vsnap does not (leave it off)",
+}
+
+# Tensor parallelism: the sizes a GPU record has covered (TP>2 waits for one: the reduction order
+# and NCCL's tuning must be pinned for a bit-identical oracle).
+TENSOR_PARALLEL_SIZES = (1, 2)
+# What vsnap sets on the parsed arguments when tensor_parallel_size > 1, and refuses a spec that
+# sets otherwise (docs/design/tensor-parallel-2.md 4.1): each keeps IPC or multicast memory, which
+# CUDA graphs capture by address and a CUDA checkpoint cannot carry, out of the engine.
+TP_ARGUMENTS: dict[str, tuple[Any, str]] = {
+    "disable_custom_all_reduce": (True, "vLLM's custom all-reduce maps the other GPU's memory through CUDA IPC and "
+                                        "bakes those addresses into CUDA graphs"),
+}
+TP_PASS_CONFIG: dict[str, tuple[Any, str]] = {
+    "fuse_allreduce_rms": (False, "the FlashInfer all-reduce + RMSNorm fusion keeps an IPC/multicast workspace and "
+                                  "a torch NCCL group"),
+    "enable_sp": (False, "sequence parallelism uses torch symmetric memory"),
+    "fuse_gemm_comms": (False, "GEMM + collective fusion uses torch symmetric memory"),
+}
+# The tree's environment for every vLLM tree (harmless with one rank: nothing reads them there),
+# set by vsnap (_capture.tree_environment; the engine again before it spawns workers).
+TP_ENVIRONMENT: dict[str, str] = {
+    "VLLM_ALLREDUCE_USE_SYMM_MEM": "0",  # on by default; maps peer memory even when it then disables itself
+    "NCCL_NVLS_ENABLE": "0",  # NVLink SHARP multicast objects: a CUDA checkpoint hangs on them
+    "NCCL_RAS_ENABLE": "0",  # NCCL's RAS thread keeps TCP connections that outlive the communicators
+    "NCCL_CUMEM_ENABLE": "1",  # peer buffers through cuMem, not legacy IPC (which enables peer access for good)
+}
+# Environment refused with tensor parallelism: (name, the values that trigger it, why).
+TP_REFUSED_ENVIRONMENT: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    ("VLLM_USE_NCCL_SYMM_MEM", ("1", "true"), "NCCL symmetric memory is registered peer memory, and its custom op "
+                                              "keeps the old communicator"),
+    ("VLLM_ALLREDUCE_USE_FLASHINFER", ("1", "true"), "FlashInfer's all-reduce keeps an IPC workspace"),
+    ("VLLM_DISABLE_PYNCCL", ("1", "true"), "it moves the collectives onto torch's NCCL process groups, which "
+                                           "cannot be rebuilt after a restore"),
+    ("VLLM_DISTRIBUTED_USE_SPLIT_GROUP", ("1", "true"), "it initialises torch's NCCL communicators at boot, which "
+                                                        "cannot be rebuilt after a restore"),
+    ("VLLM_ENABLE_V1_MULTIPROCESSING", ("0", "false"), "the engine core must run in its own process (the tree "
+                                                       "shape vsnap checkpoints)"),
+    ("VLLM_USE_BREAKABLE_CUDAGRAPH", ("1", "true"), "breakable CUDA graphs are not tried with tensor parallelism"),
 )
-LOAD_BALANCING_FLAGS = (
-    "data_parallel_external_lb",
-    "data_parallel_hybrid_lb",
-    "data_parallel_multi_port_external_lb",
-    "enable_expert_parallel",
-    "enable_elastic_ep",
-)
+# Opt-in (in the environment of `vsnap capture`): with one rank, run the tensor-parallel path anyway
+# (CUDA graphs dropped before the checkpoint and captured again after every restore; the worker's
+# disconnect and reconnect steps, which find no communicator), so that one GPU exercises it.
+TP1_RECAPTURE_ENV = "VSNAP_TP1_RECAPTURE"
+
+
+def tensor_parallel_size(serve: dict[str, Any]) -> int:
+    """The spec's tensor_parallel_size as vLLM's parser reads it (1 when absent or unreadable: the
+    rules refuse what is not 1 or 2 before anything runs)."""
+    for key in ("tensor_parallel_size", "tensor-parallel-size"):
+        value = serve.get(key)
+        if isinstance(value, bool):
+            return 1
+        if isinstance(value, int):
+            return value
+        if isinstance(value, str) and value.strip().isdigit():
+            return int(value.strip())
+    return 1
+
+
+def recaptures_graphs(tp: int, environ: dict[str, str] | None = None) -> bool:
+    """Does this engine drop its CUDA graphs before a checkpoint and capture them again after a
+    restore (always with tensor parallelism; with one rank when TP1_RECAPTURE_ENV is 1)?"""
+    env = os.environ if environ is None else environ
+    return tp > 1 or env.get(TP1_RECAPTURE_ENV, "") == "1"
 # set by vsnap itself: a spec must not try to
 RESERVED = ("model", "model_tag", "host", "port", "enable_sleep_mode", "config")
 
@@ -318,11 +393,61 @@ def parse_serve_args(model: str, serve: dict[str, Any], *, cuda: bool = True,
     except SystemExit:
         return None, [Refusal("serve", "vLLM refuses the arguments")]
     args.enable_sleep_mode = cuda
+    refusals = tensor_parallel_settings(args, serve, cuda=cuda)
+    if refusals:
+        return None, refusals
     env = os.environ if environ is None else environ
     # an empty VLLM_CPU_KVCACHE_SPACE is ignored by vLLM, so it does not count as set
     if not cuda and getattr(args, "kv_cache_memory_bytes", None) is None and not env.get("VLLM_CPU_KVCACHE_SPACE"):
         args.kv_cache_memory_bytes = CPU_KV_CACHE_BYTES
     return args, []
+
+
+def _given(serve: dict[str, Any], name: str) -> tuple[bool, Any]:
+    """(given, value) of a serve argument as the spec wrote it (``-`` or ``_`` in its key)."""
+    for key in (name, name.replace("_", "-")):
+        if key in serve:
+            return True, serve[key]
+    return False, None
+
+
+def tensor_parallel_settings(args: argparse.Namespace, serve: dict[str, Any], *, cuda: bool) -> list[Refusal]:
+    """With tensor_parallel_size > 1: refuse what the spec sets against TP_ARGUMENTS and
+    TP_PASS_CONFIG, then set them (and the mp executor) on ``args``. Nothing changes with one rank."""
+    tp = getattr(args, "tensor_parallel_size", 1) or 1
+    if tp <= 1:
+        return []
+    if not cuda:
+        return [Refusal("tensor_parallel_size", "tensor parallelism on vLLM's CPU backend uses its shared-memory "
+                                                "communicator, which vsnap does not rebuild (set tensor_parallel_size: "
+                                                "1 on a host without a GPU)")]
+    refusals = []
+    for name, (value, why) in TP_ARGUMENTS.items():
+        given, wrote = _given(serve, name)
+        if given and wrote != value:
+            refusals.append(Refusal(f"serve.{name}", f"must be {str(value).lower()} with tensor parallelism, which "
+                                                     f"vsnap sets: {why} (remove it)"))
+    compilation = getattr(args, "compilation_config", None)
+    passes = getattr(compilation, "pass_config", None)
+    for name, (value, why) in TP_PASS_CONFIG.items():
+        wrote = getattr(passes, name, None)
+        if wrote is not None and wrote != value:
+            refusals.append(Refusal(f"serve.compilation_config.pass_config.{name}",
+                                    f"must be {str(value).lower()} with tensor parallelism, which vsnap sets: {why} "
+                                    "(remove it)"))
+    if refusals:
+        return refusals
+    for name, (value, _) in TP_ARGUMENTS.items():
+        setattr(args, name, value)
+    if passes is not None:
+        compilation = copy.deepcopy(compilation)  # the parser's default object is shared between parses
+        for name, (value, _) in TP_PASS_CONFIG.items():
+            if hasattr(compilation.pass_config, name):  # vLLM 0.32 moved enable_sp and fuse_gemm_comms
+                setattr(compilation.pass_config, name, value)
+        args.compilation_config = compilation
+    if getattr(args, "distributed_executor_backend", None) is None:
+        args.distributed_executor_backend = "mp"  # vLLM would choose Ray if a Ray placement group were active
+    return []
 
 
 def argument_refusals(args: argparse.Namespace, environ: dict[str, str] | None = None) -> list[Refusal]:
@@ -334,7 +459,8 @@ def argument_refusals(args: argparse.Namespace, environ: dict[str, str] | None =
         refusals.append(Refusal(argument, reason))
 
     if getattr(args, "headless", False):
-        refuse("headless", "snapshots need the one Python HTTP frontend")
+        refuse("headless", "snapshots need the one Python HTTP frontend on the host that holds the GPUs (remove "
+                           "headless)")
     if getattr(args, "grpc", False):
         refuse("grpc", "snapshots need the one Python HTTP frontend")
     if getattr(args, "api_server_count", None) not in (None, 1):
@@ -344,23 +470,37 @@ def argument_refusals(args: argparse.Namespace, environ: dict[str, str] | None =
     for name in ("VLLM_USE_RUST_FRONTEND", "VLLM_USE_RUST_BENCH"):  # 0.32 starts it on either
         if env.get(name, "0") not in ("", "0"):
             refuse(name, "snapshots need the Python HTTP frontend")
-    for name in SINGLE_RANK_SIZES:
+    tp = getattr(args, "tensor_parallel_size", 1) or 1
+    if tp not in TENSOR_PARALLEL_SIZES:
+        refuse("tensor_parallel_size", f"tensor_parallel_size {tp} is not supported until a GPU record exists for it "
+                                       "(its reduction order and NCCL tuning must be pinned for a bit-identical "
+                                       "oracle): use 1 or 2")
+    for name, reason in SINGLE_RANK_SIZES.items():
         if getattr(args, name, 1) not in (None, 1):
-            refuse(name, f"snapshots need {name}=1 (one GPU, one rank)")
+            refuse(name, reason)
     if getattr(args, "data_parallel_size_local", None) not in (None, 1):
-        refuse("data_parallel_size_local", "snapshots need local single-rank execution")
+        refuse("data_parallel_size_local", LOCAL)
     if getattr(args, "node_rank", 0) not in (None, 0):
-        refuse("node_rank", "snapshots need local single-rank execution")
+        refuse("node_rank", "a snapshot covers the process tree of one host (remove node_rank)")
     if getattr(args, "data_parallel_backend", "mp") not in (None, "mp"):
         refuse("data_parallel_backend", "snapshots need the mp backend")
-    for name in LOAD_BALANCING_FLAGS:
+    for name, reason in LOAD_BALANCING_FLAGS.items():
         if getattr(args, name, None):
-            refuse(name, "snapshots need local single-rank execution")
+            refuse(name, reason)
     for name in ("data_parallel_rank", "data_parallel_start_rank"):
         if getattr(args, name, None) is not None:
-            refuse(name, "snapshots need local single-rank execution")
-    if getattr(args, "distributed_executor_backend", None) not in (None, "mp", "uni"):
+            refuse(name, LOCAL)
+    backend = getattr(args, "distributed_executor_backend", None)
+    if backend not in (None, "mp", "uni"):
         refuse("distributed_executor_backend", "snapshots need a local executor (mp or uni)")
+    elif tp > 1 and backend not in (None, "mp"):
+        refuse("distributed_executor_backend", f"tensor parallelism needs the mp executor (one local process tree), "
+                                               f"not {backend} (set it to mp or remove it)")
+    if tp > 1:
+        refusals += tensor_parallel_refusals(args, env)
+    elif recaptures_graphs(tp, env) and _dual_batch_overlap(args):
+        refuse("enable_dbo", f"{TP1_RECAPTURE_ENV}=1 drops and captures CUDA graphs again, which vsnap does not do for "
+                             "dual-batch overlap's micro-batch graphs (turn enable_dbo and ubatch_size off)")
     if getattr(args, "trust_remote_code", False):
         refuse("trust_remote_code", "vsnap runs the engine as root: the model's own Python code would run as root "
                                     "(use a model vLLM supports natively)")
@@ -384,6 +524,41 @@ def argument_refusals(args: argparse.Namespace, environ: dict[str, str] | None =
             hint = SPECULATIVE_HINT if speculative and QUALNAME.fullmatch(path) else ""
             refuse(argument, f"{path!r} must be an absolute path (the engine reads it as root, and vsnap checks that "
                              f"it is root's alone){hint}")
+    return refusals
+
+
+def _dual_batch_overlap(args: argparse.Namespace) -> bool:
+    return bool(getattr(args, "enable_dbo", False)) or (getattr(args, "ubatch_size", 0) or 0) > 1
+
+
+def _truthy(value: str, triggers: tuple[str, ...]) -> bool:
+    return value.strip().lower() in triggers
+
+
+def tensor_parallel_refusals(args: argparse.Namespace, env: Any) -> list[Refusal]:
+    """What tensor_parallel_size > 1 refuses on top of the one-rank rules (docs/design/tensor-parallel-2.md 6)."""
+    refusals: list[Refusal] = []
+
+    def refuse(argument: str, reason: str) -> None:
+        refusals.append(Refusal(argument, reason))
+
+    extension = getattr(args, "worker_extension_cls", "") or ""
+    if extension and extension != VSNAP_WORKER_EXTENSION:
+        refuse("worker_extension_cls", "tensor parallelism needs vsnap's own worker extension (it disconnects and "
+                                       "reconnects NCCL around the checkpoint): remove worker_extension_cls")
+    if _dual_batch_overlap(args):
+        refuse("enable_dbo", "dual-batch overlap's micro-batch CUDA graphs are not dropped and captured again around "
+                             "the checkpoint (turn enable_dbo and ubatch_size off with tensor parallelism)")
+    if getattr(args, "weight_transfer_config", None):
+        refuse("weight_transfer_config", "weight transfer keeps a live NCCL communicator to an external trainer, "
+                                         "which a snapshot cannot carry (remove it)")
+    for name, value in TP_ENVIRONMENT.items():
+        if env.get(name, value) != value:
+            refuse(name, f"must be {value} with tensor parallelism, which vsnap sets in the engine's environment "
+                         "(unset it)")
+    for name, triggers, why in TP_REFUSED_ENVIRONMENT:
+        if _truthy(env.get(name, ""), triggers):
+            refuse(name, f"refused with tensor parallelism: {why} (unset it)")
     return refusals
 
 
@@ -451,11 +626,16 @@ def config_refusals(config: Any, *, is_cuda: bool) -> list[Refusal]:
         refuse("runner", f"snapshots need a generation model, not {model.runner_type!r}")
     if model.is_multimodal_model:
         refuse("model", "multimodal models are not supported yet (not tried: no multimodal test model)")
-    if (parallel.world_size != 1 or parallel.data_parallel_size != 1 or parallel.data_parallel_size_local != 1
+    tp = parallel.tensor_parallel_size
+    if (parallel.data_parallel_size != 1 or parallel.data_parallel_size_local != 1
             or parallel.data_parallel_rank != 0 or parallel.nnodes != 1 or parallel.node_rank != 0
             or parallel.data_parallel_backend != "mp" or parallel._api_process_count != 1
             or parallel.distributed_executor_backend not in ("uni", "mp")):
-        refuse("parallel", "snapshots need local single-rank execution")
+        refuse("parallel", LOCAL)
+    elif tp == 1 and parallel.world_size != 1:
+        refuse("parallel", LOCAL)
+    elif tp > 1:
+        refusals += _tensor_parallel_config_refusals(config, is_cuda=is_cuda)
     for name in ("kv_transfer_config", "ec_transfer_config"):
         if getattr(config, name, None) is not None:
             refuse(name, "KV/EC transfer connects the engine to other processes or hosts, which a snapshot cannot carry")
@@ -475,6 +655,43 @@ def config_refusals(config: Any, *, is_cuda: bool) -> list[Refusal]:
         refuse("offload_group_size", "CPU offload is not supported")
     if is_cuda and not model.enable_sleep_mode:
         refuse("enable_sleep_mode", "snapshots need sleep mode")
+    return refusals
+
+
+def _tensor_parallel_config_refusals(config: Any, *, is_cuda: bool) -> list[Refusal]:
+    """The resolved configuration of a tensor-parallel engine: TP=2 alone (world size 2, the mp
+    executor, on CUDA) with the settings vsnap gave the arguments still in force after vLLM's
+    defaults (backing up argument_refusals and tensor_parallel_settings)."""
+    parallel = config.parallel_config
+    tp = parallel.tensor_parallel_size
+    refusals: list[Refusal] = []
+    if not is_cuda:
+        refusals.append(Refusal("tensor_parallel_size", "tensor parallelism on vLLM's CPU backend is not supported (set "
+                                                        "tensor_parallel_size: 1 on a host without a GPU)"))
+    if tp not in TENSOR_PARALLEL_SIZES or parallel.world_size != tp:
+        refusals.append(Refusal("parallel", f"snapshots need tensor parallelism alone over {tp} local GPUs (world "
+                                            f"size {parallel.world_size})"))
+    if parallel.distributed_executor_backend != "mp":
+        refusals.append(Refusal("distributed_executor_backend", "tensor parallelism needs the mp executor"))
+    for name in ("pipeline_parallel_size", "decode_context_parallel_size", "prefill_context_parallel_size"):
+        if getattr(parallel, name, 1) not in (None, 1):
+            refusals.append(Refusal(name, SINGLE_RANK_SIZES[name]))
+    for name in ("enable_expert_parallel", "enable_eplb", "enable_elastic_ep"):
+        if getattr(parallel, name, False):
+            refusals.append(Refusal(name, LOAD_BALANCING_FLAGS[name]))
+    if getattr(parallel, "enable_dbo", False) or (getattr(parallel, "ubatch_size", 0) or 0) > 1:
+        refusals.append(Refusal("enable_dbo", "dual-batch overlap is not supported with tensor parallelism"))
+    for name, (value, why) in TP_ARGUMENTS.items():
+        if getattr(parallel, name, value) != value:
+            refusals.append(Refusal(name, f"must be {str(value).lower()} with tensor parallelism: {why}"))
+    passes = getattr(getattr(config, "compilation_config", None), "pass_config", None)
+    for name, (value, why) in TP_PASS_CONFIG.items():
+        if bool(getattr(passes, name, value)) != value:
+            refusals.append(Refusal(f"compilation_config.pass_config.{name}",
+                                    f"must be {str(value).lower()} with tensor parallelism: {why}"))
+    if getattr(config, "weight_transfer_config", None) is not None:
+        refusals.append(Refusal("weight_transfer_config", "weight transfer keeps a live NCCL communicator to an "
+                                                          "external trainer, which a snapshot cannot carry"))
     return refusals
 
 
@@ -507,6 +724,9 @@ def configuration_support(config: Any) -> list[tuple[str, str]]:
         found.append((f"speculative decoding ({method})", "tested" if method in TESTED_SPECULATION else "on trust"))
     if model.is_hybrid:
         found.append(("hybrid attention + state-space model", "on trust"))
+    tp = getattr(getattr(config, "parallel_config", None), "tensor_parallel_size", 1) or 1
+    if tp > 1:  # no GPU record yet (docs/design/tensor-parallel-2.md 8)
+        found.append((f"tensor parallelism over {tp} GPUs (NCCL and CUDA graphs rebuilt at every restore)", "on trust"))
     return found
 
 

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..heap import release_heap
+from .vllm_tp import TensorParallelExtension
 
 CHUNK = 32 << 20  # bytes read and copied at a time by one thread
 THREADS = 8  # readers (H200 host, 8B: 8 read 17.6 GB/s from the page cache, 12 read 15.6 GB/s); each owns two pinned buffers (one read into while the other is copied)
@@ -414,8 +415,10 @@ def fingerprint(named: list[tuple[str, Any]]) -> dict[str, int]:
     return sums
 
 
-class WeightsFileExtension:
-    """Methods added to vLLM's GPU worker; called with ``collective_rpc("vsnap_...")``."""
+class WeightsFileExtension(TensorParallelExtension):
+    """Methods added to vLLM's GPU worker; called with ``collective_rpc("vsnap_...")``. vsnap's one
+    worker extension: the tensor-parallel methods (vllm_tp) are mixed in, under the name specs
+    and images already carry."""
 
     def _vsnap_model(self) -> Any:
         return self.model_runner.get_model()  # type: ignore[attr-defined]
