@@ -10,7 +10,11 @@ fi
 # on the CPU VM: docs/benchmarks/NOTES.md, session 5). Compiled once here; a no-op when up to date.
 "$PY" -m compileall -q -j0 /tmp/site/pydantic /tmp/site/pydantic_core /tmp/site/annotated_types \
   /tmp/site/typing_inspection "$REPO/src/vsnap" >/dev/null 2>&1 || true
-[ -x /opt/criu-bundle/bin/criu ] || tar xzf "$REPO/.carry/criu/criu-bundle.tar.gz" -C /opt || exit 11
+# the carried CRIU replaces an installed one built otherwise (its BUILDINFO names the patches)
+CRIU_WANT=$(tar xzf "$REPO/.carry/criu/criu-bundle.tar.gz" -O criu-bundle/BUILDINFO 2>/dev/null)
+if [ ! -x /opt/criu-bundle/bin/criu ] || [ "$(cat /opt/criu-bundle/BUILDINFO 2>/dev/null)" != "$CRIU_WANT" ]; then
+  rm -rf /opt/criu-bundle && tar xzf "$REPO/.carry/criu/criu-bundle.tar.gz" -C /opt || exit 11
+fi
 export PYTHONPATH=/tmp/site:$REPO/src
 export VSNAP_CRIU=/opt/criu-bundle/bin/criu
 export VLLM_USE_FLASHINFER_SAMPLER=0  # flashinfer is not in the carried bundle

@@ -10,9 +10,12 @@
 #   scripts/criu/install.sh                 install to $PREFIX/bin/criu (default /usr/local)
 #   scripts/criu/install.sh --bundle OUT    also write a relocatable bundle (criu, its
 #                                           non-glibc libs, cuda_plugin.so) to OUT.tar.gz,
-#                                           for hosts without apt (the GPU machine)
-# Idempotent: does nothing when a criu >= 4.2 is already installed at $PREFIX/bin/criu
-# (unless --bundle asks for a bundle that is not there yet).
+#                                           for hosts without apt (the GPU machine);
+#                                           OUT.tar.gz.vsnap-patches names its patches
+# Our own patches to CRIU (scripts/criu/patches/*.patch, applied in order) are part of the
+# build: docs/benchmarks/NOTES.md says what each one is for and what it measured.
+# Idempotent: does nothing when a criu >= 4.2 built with these patches is already installed at
+# $PREFIX/bin/criu (unless --bundle asks for a bundle that is not there yet).
 # Env: CRIU_DEB_VERSION (default 4.2.1-1, or "latest"), PREFIX, WORK (scratch dir).
 set -euo pipefail
 
@@ -26,6 +29,12 @@ export DEBIAN_FRONTEND=noninteractive
 log() { echo "criu-install: $*" >&2; }
 die() { log "error: $*"; exit 1; }
 
+PATCH_DIR=$(cd "$(dirname "$0")" && pwd)/patches
+PATCHES=$(ls "$PATCH_DIR"/*.patch 2>/dev/null | sort || true)
+# what the build is made of: the patches' contents (a stamp beside the installed binary)
+PATCH_SUM=$( { for p in $PATCHES; do sha256sum < "$p"; done; } | sha256sum | cut -c1-16)
+STAMP="$PREFIX/lib/criu/vsnap-patches"
+
 version_ok() {  # $1 = criu binary; true when it runs and reports >= 4.2
   local v
   v=$("$1" --version 2>/dev/null | awk '/^Version:/{print $2}') || return 1
@@ -35,8 +44,9 @@ version_ok() {  # $1 = criu binary; true when it runs and reports >= 4.2
 
 [ "$(id -u)" = 0 ] || die "run as root (apt-get and the install need it)"
 
-if version_ok "$PREFIX/bin/criu" && { [ -z "$BUNDLE_OUT" ] || [ -f "$BUNDLE_OUT" ]; }; then
-  log "$("$PREFIX/bin/criu" --version | head -1) already at $PREFIX/bin/criu"
+if version_ok "$PREFIX/bin/criu" && [ "$(cat "$STAMP" 2>/dev/null)" = "$PATCH_SUM" ] &&
+   { [ -z "$BUNDLE_OUT" ] || [ "$(cat "$BUNDLE_OUT.vsnap-patches" 2>/dev/null)" = "$PATCH_SUM" ]; }; then
+  log "$("$PREFIX/bin/criu" --version | head -1) (patches $PATCH_SUM) already at $PREFIX/bin/criu"
   exit 0
 fi
 
@@ -60,7 +70,7 @@ apt-get update -qq
 apt-get install -y -qq --no-install-recommends \
   build-essential pkg-config libprotobuf-c-dev protobuf-c-compiler libprotobuf-dev \
   protobuf-compiler libnl-3-dev libnet1-dev libcap-dev libbsd-dev uuid-dev libaio-dev \
-  iproute2 patchelf xz-utils ca-certificates >/dev/null
+  iproute2 patch patchelf xz-utils ca-certificates >/dev/null
 
 # 3. the upstream tarball, checked against the Sources index.
 if [ "$CRIU_DEB_VERSION" = latest ]; then
@@ -75,9 +85,14 @@ GOT=$(sha256sum "$TARBALL" | cut -d' ' -f1)
 [ -n "$WANT" ] && [ "$WANT" = "$GOT" ] || die "sha256 of $TARBALL: want '$WANT', got '$GOT'"
 
 # 4. build (gnutls and nftables left out: vsnap needs neither).
-if ! [ -x "criu-$UPVER/criu/criu" ] || ! [ -f "criu-$UPVER/plugins/cuda/cuda_plugin.so" ]; then
+if ! [ -x "criu-$UPVER/criu/criu" ] || ! [ -f "criu-$UPVER/plugins/cuda/cuda_plugin.so" ] ||
+   [ "$(cat "criu-$UPVER/.vsnap-patches" 2>/dev/null)" != "$PATCH_SUM" ]; then
   rm -rf "criu-$UPVER"
   tar xf "$TARBALL"
+  for p in $PATCHES; do
+    log "applying $(basename "$p")"
+    patch -s -p1 -d "criu-$UPVER" < "$p" || die "patch $(basename "$p") does not apply to criu $UPVER"
+  done
   cat > "$WORK/pkg-config-nonft" <<'EOS'
 #!/bin/sh
 for a in "$@"; do case "$a" in libnftables*) exit 1;; esac; done
@@ -87,11 +102,13 @@ EOS
   log "building criu $UPVER"
   make -s -C "criu-$UPVER" -j"$(nproc)" NO_GNUTLS=1 PKG_CONFIG="$WORK/pkg-config-nonft" criu cuda_plugin >build.log 2>&1 \
     || { tail -30 build.log >&2; die "build failed; full log: $WORK/build.log"; }
+  echo "$PATCH_SUM" > "criu-$UPVER/.vsnap-patches"
 fi
 
 # 5. install.
 install -D -m 755 "criu-$UPVER/criu/criu" "$PREFIX/bin/criu"
 install -D -m 755 "criu-$UPVER/plugins/cuda/cuda_plugin.so" "$PREFIX/lib/criu/cuda_plugin.so"
+echo "$PATCH_SUM" > "$STAMP"
 version_ok "$PREFIX/bin/criu" || die "installed $PREFIX/bin/criu does not report version >= 4.2"
 log "installed $("$PREFIX/bin/criu" --version | head -1) at $PREFIX/bin/criu"
 
@@ -118,8 +135,11 @@ export CRIU_LIBS_DIR="${CRIU_LIBS_DIR:-$HERE/lib/criu}"
 exec "$HERE/libexec/criu" "$@"
 EOS
   chmod 755 "$B/bin/criu"
-  echo "criu $UPVER (Debian source criu $CRIU_DEB_VERSION, orig sha256 $GOT)" > "$B/BUILDINFO"
+  { echo "criu $UPVER (Debian source criu $CRIU_DEB_VERSION, orig sha256 $GOT)"
+    for p in $PATCHES; do echo "patch $(basename "$p") sha256 $(sha256sum < "$p" | cut -d' ' -f1)"; done
+  } > "$B/BUILDINFO"
   mkdir -p "$(dirname "$BUNDLE_OUT")"
   tar -C "$WORK/stage" -czf "$BUNDLE_OUT" criu-bundle
+  echo "$PATCH_SUM" > "$BUNDLE_OUT.vsnap-patches"
   log "bundle written to $BUNDLE_OUT"
 fi

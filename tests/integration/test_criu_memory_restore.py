@@ -1,0 +1,213 @@
+"""The CRIU that scripts/criu/ builds restores memory with our patch (scripts/criu/patches/0001):
+the root task fills its memory beside the other tasks instead of after them, and VMAs that the
+image covers whole are filled through transparent huge pages.
+
+Real CRIU, real processes: a tree of a root (a child subreaper), a child, a zombie and an orphan
+whose session leader is gone (CRIU restores that leader as a helper task), each holding a dense
+and a sparse anonymous mapping of random bytes, and all sharing one the root wrote before it
+forked (CRIU restores that one through the root's premapped area, copy-on-write). The tree is dumped once and restored twice, with
+the THP fill and with --no-thp-fill. Each time every process checks its own memory against the
+digests it took before the dump; the mappings (addresses, permissions) are the same both times;
+with the fill the dense mappings hold huge pages and the sparse ones exactly what they held.
+A restore that hangs (a task not counted in the patch's new barrier) fails at the runner's timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from vsnap._criu import CriuRunner
+from vsnap._criu_options import DumpOptions, RestoreOptions
+
+pytestmark = pytest.mark.criu
+
+MIB = 1 << 20
+DENSE_MIB, SPARSE_MIB = 64, 64
+
+# Each process: a dense mapping (every page written) and a sparse one (every third page), digests
+# of both in STATUS/<pid>.json; on SIGUSR1 it digests them again into STATUS/<pid>.check.json.
+TREE = r"""
+import ctypes, hashlib, json, mmap, os, signal, sys, time
+status = sys.argv[1]
+DENSE, SPARSE = int(sys.argv[2]) << 20, int(sys.argv[3]) << 20
+PAGE = mmap.PAGESIZE
+
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+
+def mapping(size):
+    # size bytes between two PROT_NONE pages: a VMA of its own, never merged with a neighbour
+    m = mmap.mmap(-1, size + 2 * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    at = ctypes.addressof(ctypes.c_char.from_buffer(m))
+    for guard in (at, at + PAGE + size):
+        assert libc.mprotect(guard, PAGE, 0) == 0  # PROT_NONE
+    return memoryview(m)[PAGE:PAGE + size], at + PAGE
+
+def hold(role, pad_mib):
+    # a different address in each process: CRIU takes a VMA at the same place in a parent and its
+    # child for one inherited through fork, and restores those otherwise (premapped, in criu)
+    pad = mmap.mmap(-1, pad_mib << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    dense, dense_at = mapping(DENSE)
+    dense[:] = os.urandom(DENSE)
+    sparse, sparse_at = mapping(SPARSE)
+    for off in range(0, SPARSE, 3 * PAGE):
+        sparse[off:off + PAGE] = os.urandom(PAGE)
+    def digests():
+        return {"dense": hashlib.sha256(dense).hexdigest(), "sparse": hashlib.sha256(sparse).hexdigest(),
+                "inherited": hashlib.sha256(inherited).hexdigest()}
+    def check(signum, frame):
+        path = f"{status}/{os.getpid()}.check.json"
+        with open(path + ".tmp", "w") as f:
+            json.dump(digests(), f)
+        os.rename(path + ".tmp", path)
+    signal.signal(signal.SIGUSR1, check)
+    record = {"role": role, "pid": os.getpid(), "dense_at": dense_at, "sparse_at": sparse_at, **digests()}
+    with open(f"{status}/{os.getpid()}.json.tmp", "w") as f:
+        json.dump(record, f)
+    os.rename(f"{status}/{os.getpid()}.json.tmp", f"{status}/{os.getpid()}.json")
+    while True:
+        signal.pause()
+
+PR_SET_CHILD_SUBREAPER = 36
+libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+inherited, _ = mapping(8 << 20)         # written before the forks: every process shares its pages
+inherited[:] = os.urandom(8 << 20)
+if os.fork() == 0:
+    hold("child", 2)
+if os.fork() == 0:
+    os._exit(0)                         # never reaped: a zombie in the dump
+leader = os.fork()
+if leader == 0:
+    os.setsid()
+    if os.fork() == 0:
+        hold("orphan", 4)               # its session leader exits: CRIU needs a helper for it
+    os._exit(0)
+os.waitpid(leader, 0)
+hold("root", 6)
+"""
+
+
+def smaps(pid: int) -> dict[int, dict[str, str]]:
+    """Start address -> the smaps fields of that mapping."""
+    out: dict[int, dict[str, str]] = {}
+    current: dict[str, str] = {}
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            current = {"range": head, "perms": line.split()[1]}
+            out[int(head.split("-")[0], 16)] = current
+        elif head.endswith(":"):
+            current[head[:-1]] = line[len(head):].strip()
+    return out
+
+
+def layout(pid: int) -> list[tuple[str, str]]:
+    return [(m["range"], m["perms"]) for m in smaps(pid).values()]
+
+
+def kilobytes(field: str) -> int:
+    return int(field.split()[0])
+
+
+def wait_for(predicate, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def kill_restored(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    wait_for(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in pids), "the restored tree to go")
+
+
+def host_thp_mode() -> str:
+    text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    return text[text.index("[") + 1:text.index("]")]
+
+
+@pytest.fixture
+def runner() -> CriuRunner:
+    runner = CriuRunner.locate()
+    helptext = subprocess.run([str(runner.binary), "--help"], capture_output=True, text=True, timeout=30).stdout
+    if "--no-thp-fill" not in helptext:
+        pytest.skip(f"{runner.binary} is not the CRIU scripts/criu/install.sh builds (no --no-thp-fill)")
+    return runner
+
+
+def test_restore_fills_memory_exactly_with_and_without_huge_pages(runner: CriuRunner, tmp_path: Path) -> None:
+    status, images, work = tmp_path / "status", tmp_path / "images", tmp_path / "work"
+    for d in (status, images, work):
+        d.mkdir()
+    root = subprocess.Popen([sys.executable, "-c", TREE, str(status), str(DENSE_MIB), str(SPARSE_MIB)],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True, cwd="/")
+    restored: list[int] = []
+    try:
+        wait_for(lambda: len(list(status.glob("*.json"))) == 3, "the tree to write its digests")
+        records = {r["pid"]: r for r in (json.loads(p.read_text()) for p in status.glob("*.json"))}
+        assert {r["role"] for r in records.values()} == {"root", "child", "orphan"}
+        before = {pid: smaps(pid) for pid in records}
+        states = [Path(f"/proc/{p}/stat").read_text().split()[2] for p in _children(root.pid)]
+        assert "Z" in states, "the tree should hold a zombie"
+
+        runner.dump(DumpOptions(pid=root.pid, images_dir=images, log_file=work / "dump.log"), timeout_s=120)
+        assert root.wait(timeout=10) == -signal.SIGKILL
+        wait_for(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in records), "the dumped tree to go")
+
+        layouts: dict[bool, dict[int, list[tuple[str, str]]]] = {}
+        for fill in (True, False):
+            log = work / f"restore-{'fill' if fill else 'nofill'}.log"
+            top = runner.restore(RestoreOptions(images_dir=images, work_dir=work, log_file=log,
+                                                pidfile=work / f"{log.stem}.pid", thp_fill=fill), timeout_s=120)
+            restored = [top, *[pid for pid in records if pid != top]]
+            assert top == root.pid and all(os.path.exists(f"/proc/{pid}") for pid in records)
+            assert "Z" in [Path(f"/proc/{p}/stat").read_text().split()[2] for p in _children(top)]
+            layouts[fill] = {pid: layout(pid) for pid in records}  # before the checks allocate
+            for pid in records:
+                (status / f"{pid}.check.json").unlink(missing_ok=True)
+                os.kill(pid, signal.SIGUSR1)
+            wait_for(lambda: all((status / f"{pid}.check.json").exists() for pid in records), "the digests")
+            for pid, record in records.items():
+                check = json.loads((status / f"{pid}.check.json").read_text())
+                assert check == {k: record[k] for k in ("dense", "sparse", "inherited")}, (record["role"], fill)
+            text = log.read_text()
+            thp = host_thp_mode() == "madvise"
+            for pid, record in records.items():
+                now = smaps(pid)
+                dense, sparse = now[record["dense_at"]], now[record["sparse_at"]]
+                assert kilobytes(sparse["Rss"]) == kilobytes(before[pid][record["sparse_at"]]["Rss"])
+                assert kilobytes(sparse["AnonHugePages"]) == 0  # a VMA with holes is never filled huge
+                if fill and thp:
+                    # every 2 MiB block inside the VMA (it starts a page past a 2 MiB boundary)
+                    assert kilobytes(dense["AnonHugePages"]) >= (DENSE_MIB - 2) * 1024, record["role"]
+                    assert "nh" in dense["VmFlags"].split()  # the advice is taken back for new faults
+                else:
+                    assert kilobytes(dense["AnonHugePages"]) == 0, record["role"]
+            assert ("vsnap: THP fill advised" in text) == (fill and thp)
+            kill_restored(restored)
+            restored = []
+        assert layouts[True] == layouts[False]  # the fill splits no mapping and moves none
+    finally:
+        if root.poll() is None:
+            root.kill()
+            root.wait()
+        if restored:
+            kill_restored(restored)
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
