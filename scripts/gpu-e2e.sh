@@ -79,6 +79,9 @@ for n in 1 2; do
   "${VSNAP[@]}" stop "$IMAGE" --json > "$OUT/stop$n.json" 2>&1
 done
 
+log "CRIU's page reads in restore #1 (scripts/criu-restore-profile.py)"
+"$PY" scripts/criu-restore-profile.py "$OUT/restore1.log" | tee "$OUT/criu-restore-profile.txt"
+
 log "vsnap restore --standby, then vsnap activate"
 "${VSNAP[@]}" restore "$IMAGE" --standby --detach --json > "$OUT/standby.json" 2> "$OUT/standby.err"; rc=$?
 echo "standby rc=$rc"; tail -4 "$OUT/standby.err"

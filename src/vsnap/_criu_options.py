@@ -84,9 +84,6 @@ class RestoreOptions:
     inherit_fds: dict[int, str] = field(default_factory=dict)  # fd of this process -> external key
     # memory pages come from a `criu lazy-pages` server (LazyPagesOptions, same work dir) on first touch
     lazy_pages: bool = False
-    # False: --no-thp-fill, which only the CRIU that scripts/criu/ builds knows (its patch 0001:
-    # memory filled through transparent huge pages); for measurements and tests, never by default
-    thp_fill: bool = True
 
     def to_argv(self) -> list[str]:
         argv = [
@@ -96,8 +93,6 @@ class RestoreOptions:
         ]
         if self.lazy_pages:
             argv.append("--lazy-pages")
-        if not self.thp_fill:
-            argv.append("--no-thp-fill")
         for key, mountpoint in self.externals.items():
             argv += ["--external", f"mnt[{key}]:{mountpoint}"]
         for fd, key in self.inherit_fds.items():

@@ -74,14 +74,6 @@ def test_lazy_restore_and_its_page_server_share_the_work_dir(tmp_path: Path) -> 
     assert server.to_argv()[:1] == ["lazy-pages"] and server.socket == tmp_path / "w" / "lazy-pages.socket"
 
 
-def test_the_thp_fill_is_turned_off_only_when_asked(tmp_path: Path) -> None:
-    """--no-thp-fill exists only in the CRIU scripts/criu/ builds: a default restore never passes it."""
-    from vsnap._criu_options import RestoreOptions
-
-    assert "--no-thp-fill" not in RestoreOptions(tmp_path, tmp_path, tmp_path / "l", tmp_path / "p").to_argv()
-    assert "--no-thp-fill" in RestoreOptions(tmp_path, tmp_path, tmp_path / "l", tmp_path / "p", thp_fill=False).to_argv()
-
-
 def test_a_page_server_that_dies_at_start_is_an_error_naming_its_log(tmp_path: Path) -> None:
     import pytest
 
