@@ -74,7 +74,7 @@ def test_choose_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
         _restore.choose_gpu(manifest, "2")
     with pytest.raises(HostNotReady, match="GPU 0 has 0.0 GiB free"):
         _restore.choose_gpu(manifest, "0")
-    with pytest.raises(HostNotReady, match="no GPU 7 on this host"):
+    with pytest.raises(HostNotReady, match="no GPU '7' on this host"):
         _restore.choose_gpu(manifest, "7")
     free[U("b")] = 10
     with pytest.raises(HostNotReady, match="no GPU can take this image"):
@@ -192,13 +192,13 @@ def test_choose_gpus_for_a_tensor_parallel_image(monkeypatch: pytest.MonkeyPatch
     assert [g["uuid"] for g in _restore.choose_gpus(manifest, None)] == [U("c"), U("a")]
     assert [g["uuid"] for g in _restore.choose_gpus(manifest, "3,2")] == [U("d"), U("c")]
     assert [g["uuid"] for g in _restore.choose_gpus(manifest, f"{U('c')}, 0")] == [U("c"), U("a")]
-    with pytest.raises(HostNotReady, match=r"--gpu 2 names 1 GPU\(s\); the image has 2 rank\(s\)"):
+    with pytest.raises(HostNotReady, match=r"--gpu '2' names 1 GPU\(s\); the image has 2 rank\(s\)"):
         _restore.choose_gpus(manifest, "2")
     with pytest.raises(HostNotReady, match="names GPU 2 twice"):
         _restore.choose_gpus(manifest, f"2,{U('c')}")
     with pytest.raises(HostNotReady, match="GPU 1 has 0.0 GiB free"):
         _restore.choose_gpus(manifest, "1,2")
-    with pytest.raises(HostNotReady, match="names 1 GPU"):
+    with pytest.raises(HostNotReady, match="has an empty entry"):
         _restore.choose_gpus(manifest, "2,")
     free.update({U("c"): 10, U("d"): 10})
     with pytest.raises(HostNotReady, match="fewer than 2 GPUs can take this image: GPU 1 has"):
@@ -282,3 +282,24 @@ def test_a_crafted_manifest_names_real_gpus_for_its_ranks_or_is_refused_at_read(
     assert read_manifest(fake_image.make_image(tmp_path / "images" / "ok", raw=base)).captured_gpus() == [U("a")]
     no_cuda = {**base, "cuda_processes": 0, "host": {**base["host"], "gpus": []}}
     assert read_manifest(fake_image.make_image(tmp_path / "images" / "cpu", raw=no_cuda)).captured_gpus() == []
+
+
+def test_gpu_lists_with_an_empty_entry_or_of_any_length_are_refused_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--gpu 0,,1 for two ranks was refused as 'names 2 GPU(s); the image has 2 rank(s)' (the cause,
+    the empty entry, unnamed), and every refusal echoed the argument whole: a newline in it split
+    the error over lines, a long list made a line of any length."""
+    from vsnap import _cuda, _restore
+    from vsnap.protocol.errors import HostNotReady
+
+    monkeypatch.setattr(_cuda, "gpu_facts", lambda: ("580", "13.0", H200S))
+    monkeypatch.setattr(_cuda, "gpu_free_memory", lambda: {g["uuid"]: 90 for g in H200S})
+    manifest = _manifest_with_gpu(50, tp=2, uuids=[U("a"), U("b")])
+    for requested in ("0,,1", "0,1,", ",", " "):
+        with pytest.raises(HostNotReady, match="has an empty entry") as info:
+            _restore.choose_gpus(manifest, requested)
+        assert "--gpu 0,1" in info.value.hint
+    for requested in ("0\n,1,2", ",".join(["0"] * 5000), "\n0", "x" * 5000 + ",1"):
+        with pytest.raises(HostNotReady) as info:
+            _restore.choose_gpus(manifest, requested)
+        assert "\n" not in info.value.message and len(info.value.message) < 300, info.value.message
+    assert [g["index"] for g in _restore.choose_gpus(manifest, " 1 , 0 ")] == [1, 0]
