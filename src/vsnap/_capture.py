@@ -292,8 +292,12 @@ def capture_image(spec: ModelSpec, *, image_dir: Path | None = None, force: bool
         if control_key is None or shm_key is None:
             raise ProcessTreeError(tree.root_pid, f"the tree lacks its mounts at {control_dir} and {SHM}",
                                    phase="boot engine", log_path=work / control.ENGINE_LOG)
-        facts = host_facts(spec.engine, visible=env.get("CUDA_VISIBLE_DEVICES"))
+        facts = host_facts(spec.engine, visible=recorded_visible(env))
         gpu_uuids = [str(g["uuid"]) for g in facts.gpus[:tp]] if cuda else []  # rank order
+        if cuda and len(gpu_uuids) < tp:
+            raise HostNotReady("gpu", f"CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES'][:200]!r}: vsnap finds "
+                                      f"{len(gpu_uuids)} of the {tp} GPU(s) the ranks run on by UUID or index",
+                               hint="name the GPUs by UUID (nvidia-smi -L), or unset it (vsnap takes the first)")
         (staging / CRIU_DIR).mkdir()
         (staging / "logs").mkdir()
         cuda_pids: list[int] = []
@@ -417,6 +421,15 @@ def require_visible_gpus(visible: str, tp: int) -> None:
         raise HostNotReady("gpu", f"CUDA_VISIBLE_DEVICES={visible!r} names {len(named)} GPU(s); tensor_parallel_size "
                                   f"{tp} needs {tp}", required=f"{tp} GPUs", found=str(len(named)),
                            hint="name one GPU per rank in CUDA_VISIBLE_DEVICES, or unset it (vsnap takes the first)")
+
+
+def recorded_visible(env: dict[str, str]) -> str | None:
+    """The CUDA_VISIBLE_DEVICES value host_facts picks the tree's GPUs by: none when vsnap itself
+    runs under the same value (the caller's), since its own CUDA enumeration is then exactly the
+    tree's, in the tree's order, while an index in the value counts the host's GPUs, not vsnap's
+    (CUDA_VISIBLE_DEVICES=1,0 on a two-GPU host would record rank 0 on GPU 0)."""
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    return None if visible == os.environ.get("CUDA_VISIBLE_DEVICES") else visible
 
 
 def require_no_gpu_files(pids: list[int], work: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import stat
 from pathlib import Path
 from typing import Any, Literal
@@ -28,6 +29,8 @@ DUMP_LOG = "logs/dump.log"
 ENGINE_LOG = "logs/engine.log"
 MAX_MANIFEST_BYTES = 16 << 20
 CAPTURED = "captured"  # Manifest.origin of an image made by `vsnap capture`
+# a GPU's UUID as _cuda._format_uuid writes it (the CUDA restore's GPU map parses it back to 16 bytes)
+GPU_UUID = re.compile(r"GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 
 class _Frozen(BaseModel):
@@ -114,7 +117,7 @@ class Manifest(_Frozen):
     # vllm: tensor_parallel_size (one worker process per GPU) and the GPUs the ranks ran on, in rank
     # order (CUDA ordinal order inside the tree). Optional: an image captured before the fields is
     # one rank on host.gpus[0] (captured_gpus).
-    tensor_parallel_size: int = Field(default=1, ge=1, le=8)
+    tensor_parallel_size: int = Field(default=1, ge=1, le=8, strict=True)
     gpu_uuids: list[str] = Field(default_factory=list)
     gpu_memory_required: int | None = None  # free GPU memory a restore needs (vLLM's share once awake)
     dependencies: list[Dependency] = Field(default_factory=list)
@@ -133,13 +136,18 @@ class Manifest(_Frozen):
         if self.gpu_uuids and (len(self.gpu_uuids) != self.tensor_parallel_size
                                or len(set(self.gpu_uuids)) != len(self.gpu_uuids)):
             raise ValueError(f"gpu_uuids must name {self.tensor_parallel_size} different GPUs, one per rank")
+        if not all(isinstance(u, str) and GPU_UUID.fullmatch(u) for u in self.captured_gpus()):
+            raise ValueError("gpu_uuids (or host.gpus[0].uuid) must be GPU UUIDs (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx)")
+        if self.cuda_processes and len(self.captured_gpus()) != self.tensor_parallel_size:
+            raise ValueError(f"an image with CUDA state of {self.tensor_parallel_size} rank(s) must name the GPU of each "
+                             "(gpu_uuids, or host.gpus for one rank)")
         return self
 
     def captured_gpus(self) -> list[str]:
         """The UUIDs of the GPUs the tree ran on, in rank order (empty without CUDA state)."""
         if self.gpu_uuids:
             return list(self.gpu_uuids)
-        return [str(self.host.gpus[0]["uuid"])] if self.host.gpus and self.cuda_processes else []
+        return [self.host.gpus[0].get("uuid")] if self.host.gpus and self.cuda_processes else []  # type: ignore[list-item]
 
 
 def read_manifest(image_dir: Path) -> Manifest:

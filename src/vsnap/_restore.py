@@ -677,18 +677,22 @@ def _requested_gpus(requested: str, ranks: int, gpus: list[dict], fits: Callable
     """``--gpu``: one index or UUID per rank, comma-separated, each a GPU of this host taken once."""
     names = [name.strip() for name in requested.split(",")]
     example = ",".join(map(str, range(ranks)))
-    if len(names) != ranks or not all(names):
-        raise HostNotReady("gpu", f"--gpu {requested} names {len([n for n in names if n])} GPU(s); the image has "
+    shown = repr(requested if len(requested) <= 80 else requested[:80] + "...")  # one line, however it came
+    if not all(names):
+        raise HostNotReady("gpu", f"--gpu {shown} has an empty entry", hint=f"give one GPU index or UUID per rank, "
+                                                                             f"in rank order (--gpu {example})")
+    if len(names) != ranks:
+        raise HostNotReady("gpu", f"--gpu {shown} names {len(names)} GPU(s); the image has "
                                   f"{ranks} rank(s) (tensor_parallel_size {ranks})",
                            hint=f"give one GPU index or UUID per rank, in rank order (--gpu {example})")
     chosen: list[dict] = []
     for name in names:
         match = [g for g in gpus if name in (str(g["index"]), g["uuid"])]
         if not match:
-            raise HostNotReady("gpu", f"no GPU {name} on this host (have {', '.join(str(g['index']) for g in gpus)})",
+            raise HostNotReady("gpu", f"no GPU {name[:80]!r} on this host (have {', '.join(str(g['index']) for g in gpus)})",
                                hint="--gpu takes indices or UUIDs from nvidia-smi -L")
         if match[0] in chosen:
-            raise HostNotReady("gpu", f"--gpu {requested} names GPU {match[0]['index']} twice",
+            raise HostNotReady("gpu", f"--gpu {shown} names GPU {match[0]['index']} twice",
                                hint=f"one GPU per rank (--gpu {example})")
         reason = fits(match[0])
         if reason:

@@ -43,10 +43,15 @@ def test_uuid_round_trip() -> None:
     assert _cuda._uuid_bytes(text) == bytes(range(16))
 
 
+def U(c: str) -> str:
+    """A GPU UUID as the driver reports it, all of hex digit ``c``."""
+    return f"GPU-{c * 8}-{c * 4}-{c * 4}-{c * 4}-{c * 12}"
+
+
 def _manifest_with_gpu(need: int, tp: int = 1, uuids: list[str] | None = None):
     from tests.unit import fake_image
 
-    gpus = [{"index": i, "name": "NVIDIA H200", "uuid": u, "memory_bytes": 100} for i, u in enumerate(uuids or ["GPU-a"])]
+    gpus = [{"index": i, "name": "NVIDIA H200", "uuid": u, "memory_bytes": 100} for i, u in enumerate(uuids or [U("a")])]
     return fake_image.manifest(host=fake_image.host_facts(gpus=gpus), engine="vllm", cuda_processes=tp + 1,
                                gpu_memory_required=need, tensor_parallel_size=tp,
                                gpu_uuids=list(uuids) if uuids else [])
@@ -56,26 +61,26 @@ def test_choose_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     from vsnap import _cuda, _restore
     from vsnap.protocol.errors import HostNotReady
 
-    gpus = [{"index": 0, "name": "NVIDIA H200", "uuid": "GPU-a"}, {"index": 1, "name": "NVIDIA H200", "uuid": "GPU-b"},
-            {"index": 2, "name": "NVIDIA H100", "uuid": "GPU-c"}]
-    free = {"GPU-a": 10, "GPU-b": 90, "GPU-c": 90}
+    gpus = [{"index": 0, "name": "NVIDIA H200", "uuid": U("a")}, {"index": 1, "name": "NVIDIA H200", "uuid": U("b")},
+            {"index": 2, "name": "NVIDIA H100", "uuid": U("c")}]
+    free = {U("a"): 10, U("b"): 90, U("c"): 90}
     monkeypatch.setattr(_cuda, "gpu_facts", lambda: ("580", "13.0", gpus))
     monkeypatch.setattr(_cuda, "gpu_free_memory", lambda: free)
     manifest = _manifest_with_gpu(50)
     # the captured GPU is busy: the first other GPU of the same model with room
-    assert _restore.choose_gpu(manifest, None)["uuid"] == "GPU-b"
-    assert _restore.choose_gpu(manifest, "GPU-b")["index"] == 1
+    assert _restore.choose_gpu(manifest, None)["uuid"] == U("b")
+    assert _restore.choose_gpu(manifest, U("b"))["index"] == 1
     with pytest.raises(HostNotReady, match="GPU 2 is a NVIDIA H100; the image was captured on a NVIDIA H200"):
         _restore.choose_gpu(manifest, "2")
     with pytest.raises(HostNotReady, match="GPU 0 has 0.0 GiB free"):
         _restore.choose_gpu(manifest, "0")
-    with pytest.raises(HostNotReady, match="no GPU 7 on this host"):
+    with pytest.raises(HostNotReady, match="no GPU '7' on this host"):
         _restore.choose_gpu(manifest, "7")
-    free["GPU-b"] = 10
+    free[U("b")] = 10
     with pytest.raises(HostNotReady, match="no GPU can take this image"):
         _restore.choose_gpu(manifest, None)
-    free["GPU-a"] = 60
-    assert _restore.choose_gpu(manifest, None)["uuid"] == "GPU-a"  # the captured one first
+    free[U("a")] = 60
+    assert _restore.choose_gpu(manifest, None)["uuid"] == U("a")  # the captured one first
 
 
 class FakeDriver:
@@ -169,7 +174,7 @@ def test_nvidia_smi_rows_parsed(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _cuda.gpu_memory_by_pid() == {11: 768 << 20, 12: 100 << 20}
 
 
-H200S = [{"index": i, "name": "NVIDIA H200", "uuid": f"GPU-{c}"} for i, c in enumerate("abcd")]
+H200S = [{"index": i, "name": "NVIDIA H200", "uuid": U(c)} for i, c in enumerate("abcd")]
 
 
 def test_choose_gpus_for_a_tensor_parallel_image(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -178,29 +183,29 @@ def test_choose_gpus_for_a_tensor_parallel_image(monkeypatch: pytest.MonkeyPatch
     from vsnap import _cuda, _restore
     from vsnap.protocol.errors import HostNotReady
 
-    free = {"GPU-a": 90, "GPU-b": 90, "GPU-c": 90, "GPU-d": 90}
+    free = {U("a"): 90, U("b"): 90, U("c"): 90, U("d"): 90}
     monkeypatch.setattr(_cuda, "gpu_facts", lambda: ("580", "13.0", H200S))
     monkeypatch.setattr(_cuda, "gpu_free_memory", lambda: free)
-    manifest = _manifest_with_gpu(50, tp=2, uuids=["GPU-b", "GPU-a"])  # rank 0 ran on GPU-b
-    assert [g["uuid"] for g in _restore.choose_gpus(manifest, None)] == ["GPU-b", "GPU-a"]
-    free["GPU-b"] = 10  # rank 0's GPU is busy: rank 1 keeps its own
-    assert [g["uuid"] for g in _restore.choose_gpus(manifest, None)] == ["GPU-c", "GPU-a"]
-    assert [g["uuid"] for g in _restore.choose_gpus(manifest, "3,2")] == ["GPU-d", "GPU-c"]
-    assert [g["uuid"] for g in _restore.choose_gpus(manifest, "GPU-c, 0")] == ["GPU-c", "GPU-a"]
-    with pytest.raises(HostNotReady, match=r"--gpu 2 names 1 GPU\(s\); the image has 2 rank\(s\)"):
+    manifest = _manifest_with_gpu(50, tp=2, uuids=[U("b"), U("a")])  # rank 0 ran on GPU-b
+    assert [g["uuid"] for g in _restore.choose_gpus(manifest, None)] == [U("b"), U("a")]
+    free[U("b")] = 10  # rank 0's GPU is busy: rank 1 keeps its own
+    assert [g["uuid"] for g in _restore.choose_gpus(manifest, None)] == [U("c"), U("a")]
+    assert [g["uuid"] for g in _restore.choose_gpus(manifest, "3,2")] == [U("d"), U("c")]
+    assert [g["uuid"] for g in _restore.choose_gpus(manifest, f"{U('c')}, 0")] == [U("c"), U("a")]
+    with pytest.raises(HostNotReady, match=r"--gpu '2' names 1 GPU\(s\); the image has 2 rank\(s\)"):
         _restore.choose_gpus(manifest, "2")
     with pytest.raises(HostNotReady, match="names GPU 2 twice"):
-        _restore.choose_gpus(manifest, "2,GPU-c")
+        _restore.choose_gpus(manifest, f"2,{U('c')}")
     with pytest.raises(HostNotReady, match="GPU 1 has 0.0 GiB free"):
         _restore.choose_gpus(manifest, "1,2")
-    with pytest.raises(HostNotReady, match="names 1 GPU"):
+    with pytest.raises(HostNotReady, match="has an empty entry"):
         _restore.choose_gpus(manifest, "2,")
-    free.update({"GPU-c": 10, "GPU-d": 10})
+    free.update({U("c"): 10, U("d"): 10})
     with pytest.raises(HostNotReady, match="fewer than 2 GPUs can take this image: GPU 1 has"):
         _restore.choose_gpus(manifest, None)
     monkeypatch.setattr(_cuda, "gpu_facts", lambda: ("580", "13.0", H200S[:1]))
     with pytest.raises(HostNotReady, match=r"this host has 1 GPU\(s\); the image needs 2"):
-        _restore.choose_gpus(_manifest_with_gpu(0, tp=2, uuids=["GPU-a", "GPU-b"]), None)
+        _restore.choose_gpus(_manifest_with_gpu(0, tp=2, uuids=[U("a"), U("b")]), None)
 
 
 def test_gpu_pairs_map_each_rank_and_nothing_when_all_stay() -> None:
@@ -222,12 +227,12 @@ def test_a_manifest_without_the_tensor_parallel_fields_reads_as_one_rank(tmp_pat
     from tests.unit import fake_image
     from vsnap._manifest import read_manifest
 
-    gpus = [{"index": 0, "name": "NVIDIA H200", "uuid": "GPU-a", "memory_bytes": 100}]
+    gpus = [{"index": 0, "name": "NVIDIA H200", "uuid": U("a"), "memory_bytes": 100}]
     raw = json.loads(fake_image.manifest(host=fake_image.host_facts(gpus=gpus), cuda_processes=2).model_dump_json())
     del raw["tensor_parallel_size"], raw["gpu_uuids"]
     manifest = read_manifest(fake_image.make_image(tmp_path / "images" / "old", raw=raw))
     assert manifest.tensor_parallel_size == 1 and manifest.gpu_uuids == []
-    assert manifest.captured_gpus() == ["GPU-a"]
+    assert manifest.captured_gpus() == [U("a")]
     assert fake_image.manifest(cuda_processes=0).captured_gpus() == []  # no CUDA state: no GPU
 
 
@@ -236,10 +241,65 @@ def test_a_manifest_needs_one_different_gpu_per_rank() -> None:
 
     from tests.unit import fake_image
 
-    assert fake_image.manifest(tensor_parallel_size=2, gpu_uuids=["GPU-a", "GPU-b"]).captured_gpus() == [
-        "GPU-a", "GPU-b"]
-    for uuids in (["GPU-a"], ["GPU-a", "GPU-a"]):
+    assert fake_image.manifest(tensor_parallel_size=2, gpu_uuids=[U("a"), U("b")]).captured_gpus() == [
+        U("a"), U("b")]
+    for uuids in ([U("a")], [U("a"), U("a")]):
         with pytest.raises(ValidationError, match="gpu_uuids must name 2 different GPUs"):
             fake_image.manifest(tensor_parallel_size=2, gpu_uuids=uuids)
     with pytest.raises(ValidationError):
         fake_image.manifest(tensor_parallel_size=0)
+
+
+def test_a_crafted_manifest_names_real_gpus_for_its_ranks_or_is_refused_at_read(tmp_path) -> None:
+    """What the CUDA restore's GPU map is built from must be GPU UUIDs, one per rank: otherwise the
+    restore crashed after CRIU (ValueError parsing the UUID), a missing host.gpus uuid crashed the
+    GPU choice (KeyError), a rank without a recorded GPU was mapped nowhere (onto whatever GPU it
+    ran on, not the one vsnap chose and checked), and a bool or string read as a size."""
+    import json
+
+    from tests.unit import fake_image
+    from vsnap._manifest import read_manifest
+    from vsnap.protocol.errors import ImageFormatError
+
+    gpus = [{"index": 0, "name": "NVIDIA H200", "uuid": U("a"), "memory_bytes": 100}]
+    base = json.loads(fake_image.manifest(host=fake_image.host_facts(gpus=gpus), engine="vllm",
+                                          cuda_processes=2).model_dump_json())
+    crafted = {
+        "not-a-uuid": ({"gpu_uuids": ["GPU-zz"]}, "must be GPU UUIDs"),
+        "control": ({"gpu_uuids": ["GPU-\x1b[2J\n" + "a" * 10000]}, "must be GPU UUIDs"),
+        "empty": ({"gpu_uuids": [""]}, "must be GPU UUIDs"),
+        "no-host-uuid": ({"host": {**base["host"], "gpus": [{"name": "NVIDIA H200"}]}}, "must be GPU UUIDs"),
+        "no-host-gpu": ({"host": {**base["host"], "gpus": []}}, "must name the GPU of each"),
+        "tp2-no-uuids": ({"tensor_parallel_size": 2}, "must name the GPU of each"),
+        "bool": ({"tensor_parallel_size": True}, "tensor_parallel_size: Input should be a valid integer"),
+        "string": ({"tensor_parallel_size": "2", "gpu_uuids": [U("a"), U("b")]}, "tensor_parallel_size: Input"),
+    }
+    for name, (fields, message) in crafted.items():
+        image = fake_image.make_image(tmp_path / "images" / name, raw={**base, **fields})
+        with pytest.raises(ImageFormatError, match=message) as info:
+            read_manifest(image)
+        assert "\n" not in info.value.message and len(info.value.message) < 400, name
+    assert read_manifest(fake_image.make_image(tmp_path / "images" / "ok", raw=base)).captured_gpus() == [U("a")]
+    no_cuda = {**base, "cuda_processes": 0, "host": {**base["host"], "gpus": []}}
+    assert read_manifest(fake_image.make_image(tmp_path / "images" / "cpu", raw=no_cuda)).captured_gpus() == []
+
+
+def test_gpu_lists_with_an_empty_entry_or_of_any_length_are_refused_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--gpu 0,,1 for two ranks was refused as 'names 2 GPU(s); the image has 2 rank(s)' (the cause,
+    the empty entry, unnamed), and every refusal echoed the argument whole: a newline in it split
+    the error over lines, a long list made a line of any length."""
+    from vsnap import _cuda, _restore
+    from vsnap.protocol.errors import HostNotReady
+
+    monkeypatch.setattr(_cuda, "gpu_facts", lambda: ("580", "13.0", H200S))
+    monkeypatch.setattr(_cuda, "gpu_free_memory", lambda: {g["uuid"]: 90 for g in H200S})
+    manifest = _manifest_with_gpu(50, tp=2, uuids=[U("a"), U("b")])
+    for requested in ("0,,1", "0,1,", ",", " "):
+        with pytest.raises(HostNotReady, match="has an empty entry") as info:
+            _restore.choose_gpus(manifest, requested)
+        assert "--gpu 0,1" in info.value.hint
+    for requested in ("0\n,1,2", ",".join(["0"] * 5000), "\n0", "x" * 5000 + ",1"):
+        with pytest.raises(HostNotReady) as info:
+            _restore.choose_gpus(manifest, requested)
+        assert "\n" not in info.value.message and len(info.value.message) < 300, info.value.message
+    assert [g["index"] for g in _restore.choose_gpus(manifest, " 1 , 0 ")] == [1, 0]

@@ -25,7 +25,7 @@ def settled_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
 from vsnap.cli import _render
 from vsnap.protocol.errors import ImageHostMismatch
 
-GPU = {"index": 0, "name": "NVIDIA H200", "uuid": "GPU-aaaa", "memory_bytes": 150 << 30}
+GPU = {"index": 0, "name": "NVIDIA H200", "uuid": "GPU-aaaaaaaa-aaaa-aaaa-aaaa-aaaaaaaaaaaa", "memory_bytes": 150 << 30}
 
 
 def lines(differences: list[HostDifference]) -> list[tuple[str, bool]]:
@@ -221,8 +221,8 @@ def test_a_failed_restore_names_the_differences_that_did_not_stop_it() -> None:
 
 
 def test_a_tensor_parallel_image_needs_a_gpu_of_its_model_per_rank() -> None:
-    two = [GPU, {**GPU, "index": 1, "uuid": "GPU-bbbb"}]
-    image = manifest(engine="vllm", cuda_processes=3, tensor_parallel_size=2, gpu_uuids=["GPU-aaaa", "GPU-bbbb"],
+    two = [GPU, {**GPU, "index": 1, "uuid": "GPU-bbbbbbbb-bbbb-bbbb-bbbb-bbbbbbbbbbbb"}]
+    image = manifest(engine="vllm", cuda_processes=3, tensor_parallel_size=2, gpu_uuids=["GPU-aaaaaaaa-aaaa-aaaa-aaaa-aaaaaaaaaaaa", "GPU-bbbbbbbb-bbbb-bbbb-bbbb-bbbbbbbbbbbb"],
                      host=host_facts(driver="580", cuda="13.0", gpus=two, vllm="0.26.0"))
     here = host_facts(driver="580", cuda="13.0", vllm="0.26.0")
     assert lines(host_differences(image, here.model_copy(update={"gpus": two}))) == []

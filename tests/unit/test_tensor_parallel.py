@@ -335,3 +335,23 @@ def test_a_gpu_device_file_left_open_fails_the_capture_in_one_line(monkeypatch: 
     assert message == (f"/dev/nvidia0, /dev/nvidiactl still open after the CUDA checkpoint in pid {2 ** 22 + 8} (?) "
                        "(and 1 more processes): CRIU cannot dump a GPU device file")
     assert info.value.phase == "cuda checkpoint" and "troubleshooting" in info.value.hint
+
+
+def test_an_inherited_cuda_visible_devices_records_the_gpus_the_ranks_see(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`CUDA_VISIBLE_DEVICES=1,0 vsnap capture` on a host of GPUs a (0) and b (1): vsnap's own CUDA
+    sees b as index 0 and a as index 1, as the tree does; looking the indices up in that view
+    recorded rank 0 on a (it ran on b), and `=2,3` on four GPUs found none (no map at restore:
+    the ranks came back on their old GPUs, not the ones vsnap chose and checked)."""
+    from vsnap import _capture, _cuda, _host
+
+    seen = [{"index": 0, "uuid": "GPU-b", "name": "H200", "memory_bytes": 1},
+            {"index": 1, "uuid": "GPU-a", "name": "H200", "memory_bytes": 1}]  # vsnap's view under 1,0
+    monkeypatch.setattr(_cuda, "gpu_facts", lambda: ("580", "13.0", seen))
+    monkeypatch.setattr(_host, "vllm_device", lambda: "cuda")
+    monkeypatch.setattr(_host.CriuRunner, "locate", classmethod(lambda cls: SimpleNamespace(version=lambda: (4, 2))))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,0")
+    env = {"CUDA_VISIBLE_DEVICES": "1,0"}  # tree_environment copies the caller's
+    assert [g["uuid"] for g in _host.host_facts("vllm", visible=_capture.recorded_visible(env)).gpus] == [
+        "GPU-b", "GPU-a"]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")  # vsnap set it itself (UUIDs): picked by name
+    assert _capture.recorded_visible({"CUDA_VISIBLE_DEVICES": "GPU-a,GPU-b"}) == "GPU-a,GPU-b"
