@@ -298,6 +298,8 @@ def capture_image(spec: ModelSpec, *, image_dir: Path | None = None, force: bool
             raise HostNotReady("gpu", f"CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES'][:200]!r}: vsnap finds "
                                       f"{len(gpu_uuids)} of the {tp} GPU(s) the ranks run on by UUID or index",
                                hint="name the GPUs by UUID (nvidia-smi -L), or unset it (vsnap takes the first)")
+        if cuda:
+            require_one_gpu_model(facts.gpus[:tp])
         (staging / CRIU_DIR).mkdir()
         (staging / "logs").mkdir()
         cuda_pids: list[int] = []
@@ -411,7 +413,17 @@ def capture_gpu_uuids(tp: int = 1) -> list[str]:
         raise HostNotReady("gpu", f"tensor_parallel_size {tp} needs {tp} GPUs; this host has {len(gpus)}",
                            required=f"{tp} GPUs", found=str(len(gpus)),
                            hint="capture on a host with enough GPUs, or lower tensor_parallel_size")
+    require_one_gpu_model(gpus[:tp])
     return [str(g["uuid"]) for g in gpus[:tp]]
+
+
+def require_one_gpu_model(gpus: list[dict]) -> None:
+    """The ranks' GPUs are all one model: a restore checks every rank's GPU against the captured
+    model (the manifest's first GPU), and vLLM sizes the KV cache of every rank alike."""
+    names = list(dict.fromkeys(str(g.get("name")) for g in gpus))
+    if len(names) > 1:
+        raise HostNotReady("gpu", f"the ranks' GPUs are of different models ({', '.join(names)})",
+                           hint="give every rank a GPU of one model (CUDA_VISIBLE_DEVICES with their UUIDs)")
 
 
 def require_visible_gpus(visible: str, tp: int) -> None:

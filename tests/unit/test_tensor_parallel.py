@@ -289,6 +289,11 @@ def test_capture_takes_the_first_gpus_in_cuda_order(monkeypatch: pytest.MonkeyPa
     assert _capture.capture_gpu_uuids() == ["GPU-0"]  # one rank: the first, as before
     with pytest.raises(HostNotReady, match="tensor_parallel_size 3 needs 3 GPUs; this host has 2"):
         _capture.capture_gpu_uuids(3)
+    mixed = [{"index": 0, "uuid": "GPU-0", "name": "NVIDIA H200"}, {"index": 1, "uuid": "GPU-1", "name": "NVIDIA H100"}]
+    monkeypatch.setattr(_cuda, "gpu_facts", lambda: ("580", "13.0", mixed))
+    assert _capture.capture_gpu_uuids() == ["GPU-0"]  # one rank: one model whatever the others are
+    with pytest.raises(HostNotReady, match=r"different models \(NVIDIA H200, NVIDIA H100\)"):
+        _capture.capture_gpu_uuids(2)
     _capture.require_visible_gpus("GPU-1,GPU-0", 2)
     with pytest.raises(HostNotReady, match="CUDA_VISIBLE_DEVICES='GPU-1' names 1 GPU"):
         _capture.require_visible_gpus("GPU-1", 2)
