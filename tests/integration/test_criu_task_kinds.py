@@ -161,7 +161,7 @@ def test_a_tree_of_every_kind_of_task_comes_back_whole(tmp_path: Path) -> None:
         records = {r["pid"]: r for r in (json.loads(p.read_text()) for p in status.glob("*.json"))}
         assert {r["role"] for r in records.values()} == {"root", "child", "orphan"}
         before = {pid: smaps(pid) for pid in records}
-        threads = {pid: sorted(os.listdir(f"/proc/{pid}/task")) for pid in records}
+        task_threads = {pid: sorted(os.listdir(f"/proc/{pid}/task")) for pid in records}
         tree = [root.pid, *_children(root.pid)]  # the zombie too: its pid must be free for the restore
         assert "Z" in [Path(f"/proc/{p}/stat").read_text().split()[2] for p in tree[1:]]
 
@@ -177,7 +177,7 @@ def test_a_tree_of_every_kind_of_task_comes_back_whole(tmp_path: Path) -> None:
             assert top == root.pid and all(os.path.exists(f"/proc/{pid}") for pid in records)
             assert "Z" in [Path(f"/proc/{p}/stat").read_text().split()[2] for p in _children(top)]
             # the task's own threads and nothing else: patch 0002's readers are gone
-            assert {pid: sorted(os.listdir(f"/proc/{pid}/task")) for pid in records} == threads
+            assert {pid: sorted(os.listdir(f"/proc/{pid}/task")) for pid in records} == task_threads
             for pid, record in records.items():  # before the checks below allocate
                 now = smaps(pid)
                 for name in ("dense_at", "sparse_at"):
