@@ -293,6 +293,22 @@ def kill_tree(root: int | ProcessIdentity, *, grace_s: float = 0.0) -> None:
             os.close(fd)
 
 
+def fd_targets(pid: int) -> set[str]:
+    """What a process's open fds point at (readlink of /proc/PID/fd/*); none for a process that is
+    gone or whose fds cannot be read, and an fd closed while listed is skipped."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return set()
+    targets = set()
+    for fd in fds:
+        try:
+            targets.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:
+            continue
+    return targets
+
+
 def mapped_and_open_files(pids: list[int]) -> set[str]:
     """Regular files the tree has mapped or open: what a restore needs to find unchanged."""
     files: set[str] = set()
@@ -305,16 +321,7 @@ def mapped_and_open_files(pids: list[int]) -> set[str]:
                         files.add(parts[5].strip())
         except OSError:
             continue
-        try:
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                try:
-                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                except OSError:
-                    continue
-                if target.startswith("/"):
-                    files.add(target)
-        except OSError:
-            continue
+        files.update(target for target in fd_targets(pid) if target.startswith("/"))
     return {f for f in files if not f.endswith(" (deleted)") and os.path.isfile(f)
             and not f.startswith(("/dev/", "/proc/", "/sys/"))}
 
@@ -327,18 +334,7 @@ def open_device_files(pids: list[int], prefix: str = GPU_DEVICE_PREFIX) -> dict[
     that have any. A process that is gone, or whose fds cannot be read, counts as having none."""
     found: dict[int, list[str]] = {}
     for pid in pids:
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        held = set()
-        for fd in fds:
-            try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if target.startswith(prefix):
-                held.add(target)
+        held = sorted(target for target in fd_targets(pid) if target.startswith(prefix))
         if held:
-            found[pid] = sorted(held)
+            found[pid] = held
     return found
