@@ -616,11 +616,6 @@ def gpu_pairs(captured: list[str], targets: list[dict] | None) -> list[tuple[str
     return [] if all(old == new for old, new in pairs) else pairs
 
 
-def choose_gpu(manifest: Manifest, requested: str | None) -> dict:
-    """The one GPU of a one-rank image (choose_gpus)."""
-    return choose_gpus(manifest, requested)[0]
-
-
 def choose_gpus(manifest: Manifest, requested: str | None) -> list[dict]:
     """The GPUs to restore onto, one per rank in rank order: the requested indices or UUIDs
     (``0,1``: as many as the image has ranks, each once), else each rank's captured GPU where it is

@@ -57,7 +57,7 @@ def _manifest_with_gpu(need: int, tp: int = 1, uuids: list[str] | None = None):
                                gpu_uuids=list(uuids) if uuids else [])
 
 
-def test_choose_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_choose_gpus_for_one_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     from vsnap import _cuda, _restore
     from vsnap.protocol.errors import HostNotReady
 
@@ -68,19 +68,19 @@ def test_choose_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_cuda, "gpu_free_memory", lambda: free)
     manifest = _manifest_with_gpu(50)
     # the captured GPU is busy: the first other GPU of the same model with room
-    assert _restore.choose_gpu(manifest, None)["uuid"] == U("b")
-    assert _restore.choose_gpu(manifest, U("b"))["index"] == 1
+    assert _restore.choose_gpus(manifest, None)[0]["uuid"] == U("b")
+    assert _restore.choose_gpus(manifest, U("b"))[0]["index"] == 1
     with pytest.raises(HostNotReady, match="GPU 2 is a NVIDIA H100; the image was captured on a NVIDIA H200"):
-        _restore.choose_gpu(manifest, "2")
+        _restore.choose_gpus(manifest, "2")
     with pytest.raises(HostNotReady, match="GPU 0 has 0.0 GiB free"):
-        _restore.choose_gpu(manifest, "0")
+        _restore.choose_gpus(manifest, "0")
     with pytest.raises(HostNotReady, match="no GPU '7' on this host"):
-        _restore.choose_gpu(manifest, "7")
+        _restore.choose_gpus(manifest, "7")
     free[U("b")] = 10
     with pytest.raises(HostNotReady, match="no GPU can take this image"):
-        _restore.choose_gpu(manifest, None)
+        _restore.choose_gpus(manifest, None)
     free[U("a")] = 60
-    assert _restore.choose_gpu(manifest, None)["uuid"] == U("a")  # the captured one first
+    assert _restore.choose_gpus(manifest, None)[0]["uuid"] == U("a")  # the captured one first
 
 
 class FakeDriver:
