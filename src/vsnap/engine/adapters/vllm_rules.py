@@ -94,8 +94,9 @@ TP_PASS_CONFIG: dict[str, tuple[Any, str]] = {
     "enable_sp": (False, "sequence parallelism uses torch symmetric memory"),
     "fuse_gemm_comms": (False, "GEMM + collective fusion uses torch symmetric memory"),
 }
-# The tree's environment for every vLLM tree (harmless with one rank: nothing reads them there),
-# set by vsnap (_capture.tree_environment; the engine again before it spawns workers).
+# The environment of a tensor-parallel engine, set by the engine itself before EngineCore and the
+# workers start (vllm.py); a one-rank tree keeps the environment it had (the first is part of
+# vLLM's compile-cache key).
 TP_ENVIRONMENT: dict[str, str] = {
     "VLLM_ALLREDUCE_USE_SYMM_MEM": "0",  # on by default; maps peer memory even when it then disables itself
     "NCCL_NVLS_ENABLE": "0",  # NVLink SHARP multicast objects: a CUDA checkpoint hangs on them
