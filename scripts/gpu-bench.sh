@@ -26,8 +26,11 @@ snapshot:
 oracle:
   tolerance: 0.001
 YAML
-"$PY" -m vsnap bench "$SPEC" --runs "${RUNS:-3}" --cold-runs "${COLD_RUNS:-0}" ${LAZY:+--lazy-pages} --out "$OUT/bench" 2>&1 | tail -40
-rc=${PIPESTATUS[0]}
+# into a file first: a bench stopped by the call's time limit still leaves its progress lines in $OUT
+"$PY" -m vsnap bench "$SPEC" --runs "${RUNS:-3}" --cold-runs "${COLD_RUNS:-0}" ${LAZY:+--lazy-pages} --out "$OUT/bench" \
+  > "$OUT/bench/bench.log" 2>&1
+rc=$?
+tail -40 "$OUT/bench/bench.log"
 # The bench removed its own image and directories; what the engine logged is in the record.
 "$PY" - "$OUT/bench" <<'PY'
 import json, sys

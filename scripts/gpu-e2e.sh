@@ -13,6 +13,7 @@ RESULTS=${OUT:-/tmp/vsnap-gpu-out}   # the device tool brings back only a few fi
 OUT=$RESULTS/run-$SHAPE               # into run-SHAPE/, packed as SHAPE-logs.tgz at the end
 PY=${PY:-/opt/torch/.venv/bin/python3}
 PORT=${PORT:-8011}
+RESTORE_ARGS=${RESTORE_ARGS:-}   # e.g. "--gpu 0": added to every restore and activate
 WORK=/tmp/vsnap-gpu
 mkdir -p "$OUT" "$WORK" && chmod 700 "$WORK"
 log() { echo "[$(date +%H:%M:%S)] $*"; }
@@ -61,7 +62,7 @@ nvidia-smi --query-gpu=memory.used --format=csv,noheader > "$OUT/gpu-after-captu
 for n in 1 2; do
   log "vsnap restore #$n"
   t0=$(date +%s.%N)
-  "${VSNAP[@]}" restore "$IMAGE" --port "$PORT" --detach --json > "$OUT/restore$n.json" 2> "$OUT/restore$n.err"; rc=$?
+  "${VSNAP[@]}" restore "$IMAGE" --port "$PORT" $RESTORE_ARGS --detach --json > "$OUT/restore$n.json" 2> "$OUT/restore$n.err"; rc=$?
   echo "restore rc=$rc"; tail -8 "$OUT/restore$n.err"
   if [ $rc -ne 0 ]; then
     cat "$OUT/restore$n.json"; tail -60 "$WORK/control/$SHAPE".instances/r-*/engine.log
@@ -76,6 +77,7 @@ for n in 1 2; do
   instance_dir=$("$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['instance_dir'])" "$OUT/restore$n.json")
   cp "$instance_dir/restore.log" "$OUT/restore$n.log" 2>/dev/null
   cp "$instance_dir/engine.log" "$OUT/engine-restore$n.log" 2>/dev/null
+  grep -h "^vsnap: \(disconnected\|reconnected\)" "$OUT/engine-restore$n.log" | cut -c1-300
   "${VSNAP[@]}" stop "$IMAGE" --json > "$OUT/stop$n.json" 2>&1
 done
 
@@ -89,7 +91,7 @@ if [ $rc -eq 0 ]; then
   nvidia-smi --query-gpu=memory.used --format=csv,noheader > "$OUT/gpu-standby.txt"
   instance=$("$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['instance'])" "$OUT/standby.json")
   t0=$(date +%s.%N)
-  "${VSNAP[@]}" activate "$instance" --port "$PORT" --json > "$OUT/activate.json" 2> "$OUT/activate.err"; rc=$?
+  "${VSNAP[@]}" activate "$instance" --port "$PORT" $RESTORE_ARGS --json > "$OUT/activate.json" 2> "$OUT/activate.err"; rc=$?
   echo "activate rc=$rc"; tail -6 "$OUT/activate.err"
   "$PY" scripts/check_oracle.py "$IMAGE" "http://127.0.0.1:$PORT" > "$OUT/check-activated.json"; echo "oracle over HTTP after activation rc=$?"
   t1=$(date +%s.%N)

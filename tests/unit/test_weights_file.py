@@ -1,5 +1,6 @@
 """The weights file's layout and streaming, on CPU tensors (the GPU test covers pinned CUDA copies)."""
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -128,3 +129,59 @@ def test_refresh_rewrites_the_pieces_that_changed_since_the_save(tmp_path: Path)
     tensors[0].view(torch.int32).copy_(torch.arange(8, dtype=torch.int32).flip(0))  # slots swapped
     assert ext.vsnap_refresh_weights(str(tmp_path))["refreshed_tensors"] == 1
     assert (tmp_path / "rank0.bin").read_bytes() == tensors[0].numpy().tobytes() + tensors[1].numpy().tobytes()
+
+
+def test_overlaps_are_each_segments_part_of_a_range() -> None:
+    """Against a byte-by-byte answer, for every range over a layout with empty and one-byte segments."""
+    from vsnap.engine.adapters.vllm_weights import Segment, _overlaps
+
+    sizes = [5, 0, 1, 7, 0, 3]
+    segments, offset = [], 0
+    for k, n in enumerate(sizes):
+        segments.append(Segment(f"s{k}", offset, n, "torch.uint8", (n,)))
+        offset += n
+    starts = [s.offset for s in segments]
+    owner = [k for k, n in enumerate(sizes) for _ in range(n)]
+    for lo in range(offset + 1):
+        for hi in range(lo, offset + 2):
+            want: dict[int, list[int]] = {}
+            for byte in range(lo, min(hi, offset)):
+                want.setdefault(owner[byte], []).append(byte)
+            got = _overlaps(starts, segments, lo, hi)
+            assert [(k, a, b) for k, a, b in got] == [(k, v[0], v[-1] + 1) for k, v in sorted(want.items())]
+
+
+class _CudaLike:
+    """Stands in for a CUDA tensor where only the dispatch is under test (no GPU here)."""
+
+    class device:
+        type = "cuda"
+
+
+@pytest.mark.parametrize("env,refused,want", [(None, False, ["buffered"]), ("0", False, ["buffered"]),
+                                              ("1", False, ["dma"]), ("1", True, ["dma", "buffered"])])
+def test_cuda_targets_take_dma_only_when_asked_and_fall_back_when_refused(
+        monkeypatch: pytest.MonkeyPatch, env: str | None, refused: bool, want: list[str]) -> None:
+    from vsnap.engine.adapters import vllm_weights
+
+    calls: list[str] = []
+
+    def dma(*_: object, **__: object) -> dict[str, float]:
+        calls.append("dma")
+        if refused:
+            raise vllm_weights.RegistrationRefused("cuMemHostRegister: CUDA_ERROR_NOT_SUPPORTED")
+        return {"weights_registered_pieces": 1.0}
+
+    def buffered(*_: object, **__: object) -> dict[str, float]:
+        calls.append("buffered")
+        return {}
+
+    monkeypatch.setattr(vllm_weights, "dma_into", dma)
+    monkeypatch.setattr(vllm_weights, "buffered_into", buffered)
+    if env is None:
+        monkeypatch.delenv(vllm_weights.DMA_ENV, raising=False)
+    else:
+        monkeypatch.setenv(vllm_weights.DMA_ENV, env)
+    with pytest.warns(UserWarning, match="copying through pinned buffers") if refused else contextlib.nullcontext():
+        vllm_weights.stream_into(Path("/nonexistent"), [], [_CudaLike()])
+    assert calls == want

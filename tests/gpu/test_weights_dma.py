@@ -1,0 +1,53 @@
+"""dma_into on a real GPU: a file in the page cache, page-locked piece by piece and copied by the
+GPU, lands byte for byte in tensors whose boundaries fall anywhere in the pieces (the GPU machine
+only: `pytest -m gpu tests/gpu/test_weights_dma.py`)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch")
+pytest.importorskip("cuda.bindings")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from vsnap.engine.adapters.vllm_weights import DMA_ENV, Segment, dma_into, stream_into  # noqa: E402
+
+
+def _layout(sizes: list[int]) -> list[Segment]:
+    segments, offset = [], 0
+    for k, n in enumerate(sizes):
+        segments.append(Segment(f"s{k}", offset, n, "torch.uint8", (n,)))
+        offset += n
+    return segments
+
+
+@pytest.mark.parametrize("piece", [1 << 20, 3 << 20, 64 << 20])
+def test_dma_into_copies_every_byte(tmp_path: Path, piece: int) -> None:
+    sizes = [1, (5 << 20) + 13, 4096, 0, (2 << 20) - 1, 777]
+    segments = _layout(sizes)
+    data = os.urandom(sum(sizes))
+    path = tmp_path / "rank0.bin"
+    path.write_bytes(data)
+    targets = [torch.zeros(n, dtype=torch.uint8, device="cuda") for n in sizes]
+    result = dma_into(path, segments, targets, threads=3, piece=piece)
+    assert result["weights_bytes"] == len(data)
+    assert result["weights_registered_pieces"] == -(-len(data) // piece)
+    for seg, target in zip(segments, targets):
+        assert bytes(target.cpu().numpy()) == data[seg.offset:seg.offset + seg.nbytes], seg.name
+
+
+def test_stream_into_takes_dma_when_asked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    sizes = [3 << 20, 12345]
+    data = os.urandom(sum(sizes))
+    path = tmp_path / "rank0.bin"
+    path.write_bytes(data)
+    targets = [torch.zeros(n, dtype=torch.uint8, device="cuda") for n in sizes]
+    monkeypatch.setenv(DMA_ENV, "1")
+    result = stream_into(path, _layout(sizes), targets)
+    assert result["weights_registered_pieces"] >= 1
+    assert b"".join(bytes(t.cpu().numpy()) for t in targets) == data
