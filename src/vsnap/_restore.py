@@ -312,7 +312,7 @@ def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000,
     image_dir = Path(image_dir).absolute()
     timings = Timings(on_event)
     if standby and gpu is not None:
-        raise UnsupportedOption("--gpu", f"--gpu {gpu}: a standby holds no GPU; give --gpu to `vsnap activate`")
+        raise UnsupportedOption("--gpu", f"--gpu {_shown(gpu)}: a standby holds no GPU; give --gpu to `vsnap activate`")
     if standby and lazy_pages:
         raise UnsupportedOption("--lazy-pages", "a standby's memory is restored in full before it waits; "
                                                 "restore it without --lazy-pages")
@@ -327,7 +327,7 @@ def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000,
             reading.enter_context(image_read_lock(image_dir))
             manifest = read_manifest(image_dir)
             if gpu is not None and not manifest.cuda_processes:
-                raise UnsupportedOption("--gpu", f"--gpu {gpu}: {image_dir} holds no CUDA state "
+                raise UnsupportedOption("--gpu", f"--gpu {_shown(gpu)}: {image_dir} holds no CUDA state "
                                                  f"(engine {manifest.engine}); there is no GPU to choose")
             control_dir = Path(manifest.control_dir)
             require_safe_directory(manifest.control_dir, "the manifest's control_dir")
@@ -507,7 +507,7 @@ def activate_instance(instance_id: str, *, host: str = "127.0.0.1", port: int = 
             if manifest_digest(manifest) != record.image_digest:
                 raise ImageChanged(image_dir, instance_id)
             if gpu is not None and not manifest.cuda_processes:
-                raise UnsupportedOption("--gpu", f"--gpu {gpu}: {image_dir} holds no CUDA state "
+                raise UnsupportedOption("--gpu", f"--gpu {_shown(gpu)}: {image_dir} holds no CUDA state "
                                                  f"(engine {manifest.engine}); there is no GPU to choose")
             clock.mark("trust_and_manifest")
             with ThreadPoolExecutor(max_workers=3) as pool:
@@ -668,11 +668,17 @@ def choose_gpus(manifest: Manifest, requested: str | None) -> list[dict]:
     return [g for g in chosen if g is not None]
 
 
+def _shown(requested: str) -> str:
+    """``--gpu``'s value as an error shows it: quoted, one line and at most 80 characters of it,
+    however it came."""
+    return repr(requested if len(requested) <= 80 else requested[:80] + "...")
+
+
 def _requested_gpus(requested: str, ranks: int, gpus: list[dict], fits: Callable[[dict], str | None]) -> list[dict]:
     """``--gpu``: one index or UUID per rank, comma-separated, each a GPU of this host taken once."""
     names = [name.strip() for name in requested.split(",")]
     example = ",".join(map(str, range(ranks)))
-    shown = repr(requested if len(requested) <= 80 else requested[:80] + "...")  # one line, however it came
+    shown = _shown(requested)
     if not all(names):
         raise HostNotReady("gpu", f"--gpu {shown} has an empty entry", hint=f"give one GPU index or UUID per rank, "
                                                                              f"in rank order (--gpu {example})")

@@ -1,5 +1,7 @@
 """The CUDA checkpoint module's pure parts (the driver calls run on the GPU machine)."""
 
+from pathlib import Path
+
 import pytest
 
 
@@ -303,3 +305,15 @@ def test_gpu_lists_with_an_empty_entry_or_of_any_length_are_refused_in_one_line(
             _restore.choose_gpus(manifest, requested)
         assert "\n" not in info.value.message and len(info.value.message) < 300, info.value.message
     assert [g["index"] for g in _restore.choose_gpus(manifest, " 1 , 0 ")] == [1, 0]
+
+
+def test_a_standby_with_gpu_is_refused_in_one_line_however_long_the_gpu_argument() -> None:
+    """The standby refusal echoed --gpu whole (a newline split it, 5000 characters made one line of
+    that length); it is refused before any check of the host, so this runs unprivileged."""
+    from vsnap import _restore
+    from vsnap.protocol.errors import UnsupportedOption
+
+    for requested in ("0", "0\n1", "x" * 5000):
+        with pytest.raises(UnsupportedOption, match="a standby holds no GPU") as info:
+            _restore.restore_image(Path("/nonexistent"), gpu=requested, standby=True)
+        assert "\n" not in info.value.message and len(info.value.message) < 200, info.value.message
