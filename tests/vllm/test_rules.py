@@ -657,6 +657,18 @@ def test_one_rank_recapture_refuses_dual_batch_overlap(tiny_llama: Path) -> None
     assert refused(tiny_llama, {}, env) == []
 
 
+def test_one_rank_recapture_refuses_a_users_worker_extension_before_the_engine_boots(tiny_llama: Path) -> None:
+    """It was refused only when the engine was built (the capture's first minute), not by validate."""
+    env = {**SPAWN, vllm_rules.TP1_RECAPTURE_ENV: "1"}
+    mine = {"worker_extension_cls": "pkg.mod.Extension"}
+    assert refused(tiny_llama, mine, env, cuda=False) == [
+        f"worker_extension_cls: {vllm_rules.TP1_RECAPTURE_ENV}=1 drops and captures CUDA graphs again, which needs "
+        f"vsnap's worker extension: remove worker_extension_cls or unset {vllm_rules.TP1_RECAPTURE_ENV}"]
+    assert refused(tiny_llama, mine, cuda=False) == []  # without the opt-in: _vllm_check decides, as before
+    ours = {"worker_extension_cls": vllm_rules.VSNAP_WORKER_EXTENSION}
+    assert refused(tiny_llama, ours, env, cuda=False) == []
+
+
 def test_a_resolved_tensor_parallel_config(tiny_llama: Path) -> None:
     """vLLM's own resolved configuration of TP=2 with vsnap's settings (resolved on this host's
     CPU platform: the model rules are then read as on CUDA)."""

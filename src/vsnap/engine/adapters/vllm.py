@@ -141,12 +141,8 @@ class VllmAdapter(EngineAdapter):
             # the worker, spawned below, captures its CUDA graphs into the sleep allocator
             os.environ.setdefault(vllm_weights.GRAPH_POOL_ENV, "sleep")
         self.tp = int(getattr(args, "tensor_parallel_size", 1) or 1)
-        if self.cuda and vllm_rules.recaptures_graphs(self.tp):
-            if args.worker_extension_cls != vllm_weights.EXTENSION:  # TP itself refuses one (argument_refusals)
-                raise _refuse("build engine", [vllm_rules.Refusal(
-                    vllm_rules.TP1_RECAPTURE_ENV, "dropping and capturing CUDA graphs again needs vsnap's worker "
-                                                  "extension: remove worker_extension_cls or unset it")])
-            self.recapture = True
+        # argument_refusals (above) refused a user's worker extension wherever graphs are captured again
+        self.recapture = self.cuda and vllm_rules.recaptures_graphs(self.tp)
         if self.tp > 1:  # for EngineCore and the workers spawned below (only with TP: one rank keeps its environment)
             os.environ.update(vllm_rules.TP_ENVIRONMENT)
         self.args = args

@@ -499,9 +499,14 @@ def argument_refusals(args: argparse.Namespace, environ: dict[str, str] | None =
                                                f"not {backend} (set it to mp or remove it)")
     if tp > 1:
         refusals += tensor_parallel_refusals(args, env)
-    elif recaptures_graphs(tp, env) and _dual_batch_overlap(args):
-        refuse("enable_dbo", f"{TP1_RECAPTURE_ENV}=1 drops and captures CUDA graphs again, which vsnap does not do for "
-                             "dual-batch overlap's micro-batch graphs (turn enable_dbo and ubatch_size off)")
+    elif recaptures_graphs(tp, env):
+        extension = getattr(args, "worker_extension_cls", "") or ""
+        if extension and extension != VSNAP_WORKER_EXTENSION:
+            refuse("worker_extension_cls", f"{TP1_RECAPTURE_ENV}=1 drops and captures CUDA graphs again, which needs "
+                                           f"vsnap's worker extension: remove worker_extension_cls or unset {TP1_RECAPTURE_ENV}")
+        if _dual_batch_overlap(args):
+            refuse("enable_dbo", f"{TP1_RECAPTURE_ENV}=1 drops and captures CUDA graphs again, which vsnap does not do "
+                                 "for dual-batch overlap's micro-batch graphs (turn enable_dbo and ubatch_size off)")
     if getattr(args, "trust_remote_code", False):
         refuse("trust_remote_code", "vsnap runs the engine as root: the model's own Python code would run as root "
                                     "(use a model vLLM supports natively)")
