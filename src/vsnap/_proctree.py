@@ -12,6 +12,7 @@ import os
 import select
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -293,20 +294,25 @@ def kill_tree(root: int | ProcessIdentity, *, grace_s: float = 0.0) -> None:
             os.close(fd)
 
 
-def fd_targets(pid: int) -> set[str]:
-    """What a process's open fds point at (readlink of /proc/PID/fd/*); none for a process that is
-    gone or whose fds cannot be read, and an fd closed while listed is skipped."""
+def open_fds(pid: int) -> dict[str, str]:
+    """A process's open fds, /proc/PID/fd/N -> what it points at (readlink); none for a process
+    that is gone or whose fds cannot be read, and an fd closed while listed is skipped."""
     try:
         fds = os.listdir(f"/proc/{pid}/fd")
     except OSError:
-        return set()
-    targets = set()
+        return {}
+    targets = {}
     for fd in fds:
         try:
-            targets.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+            targets[f"/proc/{pid}/fd/{fd}"] = os.readlink(f"/proc/{pid}/fd/{fd}")
         except OSError:
             continue
     return targets
+
+
+def fd_targets(pid: int) -> set[str]:
+    """What a process's open fds point at (open_fds)."""
+    return set(open_fds(pid).values())
 
 
 def mapped_and_open_files(pids: list[int]) -> set[str]:
@@ -329,12 +335,43 @@ def mapped_and_open_files(pids: list[int]) -> set[str]:
 GPU_DEVICE_PREFIX = "/dev/nvidia"
 
 
-def open_device_files(pids: list[int], prefix: str = GPU_DEVICE_PREFIX) -> dict[int, list[str]]:
-    """The device files under ``prefix`` each process has open (fd targets), for the processes
-    that have any. A process that is gone, or whose fds cannot be read, counts as having none."""
+def gpu_device_majors(devices: str = "/proc/devices") -> set[int]:
+    """The character-device majors of NVIDIA's drivers on this host (195 and the dynamic ones:
+    nvidia-uvm, nvidia-caps, nvidia-nvlink, ...), from /proc/devices."""
+    majors = {195}
+    try:
+        lines = Path(devices).read_text().splitlines()
+    except OSError:
+        return majors
+    for line in lines:
+        number, _, name = line.strip().partition(" ")
+        if number.isdigit() and name.strip().startswith("nvidia"):
+            majors.add(int(number))
+    return majors
+
+
+def open_device_files(pids: list[int], prefix: str = GPU_DEVICE_PREFIX, majors: set[int] | None = None,
+                      ) -> dict[int, list[str]]:
+    """The GPU device files each process has open, for the processes that have any: fd targets
+    under ``prefix``, and character devices of the GPU's majors wherever their node lives (a node
+    made with mknod elsewhere, /dev/char/195:0 is a link and resolves to /dev/nvidia0 anyway). A
+    process that is gone, or whose fds cannot be read, counts as having none."""
+    majors = gpu_device_majors() if majors is None else majors
     found: dict[int, list[str]] = {}
     for pid in pids:
-        held = sorted(target for target in fd_targets(pid) if target.startswith(prefix))
+        held = set()
+        for fd, target in open_fds(pid).items():
+            if target.startswith(prefix):
+                held.add(target)
+                continue
+            if not target.startswith("/"):  # socket:[N], pipe:[N], anon_inode:...: no device node
+                continue
+            try:
+                st = os.stat(fd)  # the open file itself, not a path to it
+            except OSError:
+                continue
+            if stat.S_ISCHR(st.st_mode) and os.major(st.st_rdev) in majors:
+                held.add(target)
         if held:
-            found[pid] = held
+            found[pid] = sorted(held)
     return found

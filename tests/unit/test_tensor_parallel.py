@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import stat
 import threading
 import weakref
 from types import SimpleNamespace
@@ -325,6 +326,29 @@ def test_open_device_files_finds_what_a_process_holds(tmp_path) -> None:
         found = open_device_files([os.getpid(), 2 ** 22 + 7], prefix="/dev/null")
         assert found == {os.getpid(): ["/dev/null"]} and held
     assert open_device_files([os.getpid()]) == {}  # this test process holds no GPU device
+
+
+def test_open_device_files_finds_a_gpu_major_wherever_its_node_lives(tmp_path) -> None:
+    """A character device of the GPU's major is found by its device number, not only under
+    /dev/nvidia* (here /dev/null's major stands for 195, and a second node made with mknod for a
+    node outside /dev)."""
+    from vsnap._proctree import gpu_device_majors, open_device_files
+
+    null_major = os.major(os.stat(os.devnull).st_rdev)
+    with open(os.devnull) as held:
+        assert "/dev/null" in open_device_files([os.getpid()], majors={null_major})[os.getpid()] and held
+    if os.geteuid() == 0:
+        node = tmp_path / "not-a-gpu-path"
+        os.mknod(node, 0o600 | stat.S_IFCHR, os.stat(os.devnull).st_rdev)
+        assert str(node) not in open_device_files([os.getpid()], majors={null_major}).get(os.getpid(), [])
+        with open(node) as held:
+            assert str(node) in open_device_files([os.getpid()], majors={null_major})[os.getpid()] and held
+        assert str(node) not in open_device_files([os.getpid()]).get(os.getpid(), [])  # major 1 is not a GPU's
+    devices = tmp_path / "devices"
+    devices.write_text("Character devices:\n  1 mem\n195 nvidia-frontend\n508 nvidia-uvm\n511 nvidia-caps\n\n"
+                       "Block devices:\n  7 loop\n")
+    assert gpu_device_majors(str(devices)) == {195, 508, 511}
+    assert gpu_device_majors(str(tmp_path / "absent")) == {195}
 
 
 def test_a_gpu_device_file_left_open_fails_the_capture_in_one_line(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
