@@ -39,6 +39,7 @@ from ._instances import (InstanceRecord, ProcessRef, new_instance_dir, prune_dea
 from ._proctree import (ProcessIdentity, alive, become_subreaper, identify, is_same, kill_tree, reap, tree_memory_bytes,
                         tree_pids)
 from ._shm import instance_shm_dir, put_back, remove_instance_shm, shm_dir_of
+from ._origin import manifest_sha256
 from ._paths import require_safe_directory
 from ._trust import copy_no_follow, make_trusted_dirs, require_trusted_ancestors, require_trusted_tree
 
@@ -358,7 +359,7 @@ def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000,
             instance_id, work = new_instance_dir(control_dir, "r")
             record = InstanceRecord(id=instance_id, image=str(image_dir), name=manifest.name, state="restoring",
                                     owner=this_process(), instance_dir=str(work), started_at=time.time(),
-                                    image_digest=manifest_digest(manifest))
+                                    image_digest=image_digest(image_dir, manifest))
             register(record)  # `vsnap ps` and `vsnap stop` see it from now on
             cleanup.on_failure(unregister, instance_id)
             # CRIU reopens the log at its captured size and mode: put the captured log back.
@@ -504,8 +505,8 @@ def activate_instance(instance_id: str, *, host: str = "127.0.0.1", port: int = 
             require_trusted_tree(image_dir)
             reading.enter_context(image_read_lock(image_dir))
             manifest = read_manifest(image_dir)
-            if manifest_digest(manifest) != record.image_digest:
-                raise ImageChanged(image_dir, instance_id)
+            if record.image_digest not in (image_digest(image_dir, manifest), manifest_digest(manifest)):
+                raise ImageChanged(image_dir, instance_id)  # (the second: standbys recorded before image_digest)
             if gpu is not None and not manifest.cuda_processes:
                 raise UnsupportedOption("--gpu", f"--gpu {_shown(gpu)}: {image_dir} holds no CUDA state "
                                                  f"(engine {manifest.engine}); there is no GPU to choose")
@@ -544,8 +545,16 @@ def activation_lock(work: Path, instance_id: str) -> Iterator[None]:
         yield
 
 
+def image_digest(image_dir: Path, manifest: Manifest) -> str:
+    """What tells one capture from another at the same path (a standby records it, its activation
+    checks it): sha256 of manifest.json's bytes, which no vsnap version reads differently. A
+    digest of the parsed manifest (manifest_digest) changed whenever a vsnap version added a field
+    with a default, so standbys failed to activate after an upgrade."""
+    return manifest_sha256(image_dir) or manifest_digest(manifest)
+
+
 def manifest_digest(manifest: Manifest) -> str:
-    """What tells one image from another at the same path (a standby checks it at activation)."""
+    """sha256 of the manifest as this vsnap parses it: what standbys recorded before image_digest."""
     return hashlib.sha256(manifest.model_dump_json().encode()).hexdigest()
 
 

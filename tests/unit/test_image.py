@@ -142,3 +142,25 @@ def test_an_image_name_is_never_a_glob(tmp_path: Path) -> None:
     remove_stale_staging(other)  # its own leftovers still go
     make_or_adopt_staging(other, "sha256:" + "f" * 64)
     assert not capturing.exists() and not pulling.exists()
+
+
+def test_a_standbys_image_digest_is_the_manifest_files_not_this_versions_reading_of_it(tmp_path: Path) -> None:
+    """Standbys recorded a digest of the parsed manifest, which changed when a vsnap version added
+    a field with a default (a standby failed to activate after an upgrade); the digest is now
+    manifest.json's bytes, and the same bytes give the same digest however they parse."""
+    import hashlib
+    import json
+
+    from vsnap._manifest import read_manifest
+    from tests.unit import fake_image
+    from vsnap._restore import image_digest, manifest_digest
+
+    image = fake_image.make_image(tmp_path / "images" / "m")
+    raw = json.loads((image / "manifest.json").read_bytes())
+    (image / "manifest.json").write_text(json.dumps(raw, indent=1))  # as another writer would: same fields
+    manifest = read_manifest(image)
+    data = (image / "manifest.json").read_bytes()
+    assert image_digest(image, manifest) == hashlib.sha256(data).hexdigest() != manifest_digest(manifest)
+    raw["name"] = raw["name"] + "-again"
+    (image / "manifest.json").write_text(json.dumps(raw))
+    assert image_digest(image, read_manifest(image)) != hashlib.sha256(data).hexdigest()
