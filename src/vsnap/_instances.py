@@ -30,9 +30,9 @@ from pydantic import BaseModel, ConfigDict
 from .protocol import control
 from ._proctree import ProcessIdentity, identify, is_same
 from ._shm import remove_instance_shm, remove_orphans, shm_dir_of
+from ._paths import RUNTIME_DIR
 from ._trust import make_trusted_dirs
 
-RUNTIME_DIR = Path(os.environ.get("VSNAP_RUNTIME_DIR", "/run/vsnap"))
 
 
 STOP_REQUEST = "stop.request"  # written into a restoring instance's directory by `vsnap stop`

@@ -12,6 +12,8 @@ from pathlib import Path, PurePosixPath
 
 DEFAULT_IMAGE_ROOT = Path("/var/lib/vsnap/images")
 DEFAULT_CONTROL_ROOT = Path("/run/vsnap")
+# vsnap's own records on this host: instances, captures, the caches of verified and pushed files
+RUNTIME_DIR = Path(os.environ.get("VSNAP_RUNTIME_DIR", "/run/vsnap"))
 
 # Directories that a spec may never name as its image or control directory: a capture with
 # --force replaces the image directory, and the control directory is made private (0700) and

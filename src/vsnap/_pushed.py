@@ -18,9 +18,10 @@ from pathlib import Path
 
 from . import _verified as verified
 from ._oci import Layer
+from ._paths import RUNTIME_DIR
 from .protocol.control import write_atomic
 
-PUSHED_DIR = Path("/run/vsnap/pushed")
+PUSHED_DIR = RUNTIME_DIR / "pushed"
 
 
 class PushedBlobs:

@@ -23,9 +23,10 @@ import stat
 import time
 from pathlib import Path
 
+from ._paths import RUNTIME_DIR
 from .protocol.control import write_atomic
 
-VERIFIED_DIR = Path("/run/vsnap/verified")
+VERIFIED_DIR = RUNTIME_DIR / "verified"
 
 Identity = list[int]
 
