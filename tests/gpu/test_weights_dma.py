@@ -39,6 +39,7 @@ def test_dma_into_copies_every_byte(tmp_path: Path, piece: int) -> None:
     assert result["weights_registered_pieces"] == -(-len(data) // piece)
     for seg, target in zip(segments, targets):
         assert bytes(target.cpu().numpy()) == data[seg.offset:seg.offset + seg.nbytes], seg.name
+    assert str(path) not in Path("/proc/self/maps").read_text()  # unmapped, so nothing of it is still locked
 
 
 def test_stream_into_takes_dma_when_asked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

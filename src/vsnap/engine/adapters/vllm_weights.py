@@ -22,6 +22,7 @@ import contextlib
 import itertools
 import mmap
 import os
+import threading
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -134,72 +135,125 @@ def dma_into(path: Path, segments: list[Segment], targets: list[Any], *, threads
              piece: int = DMA_PIECE) -> dict[str, float]:
     """Copy the file's bytes into CUDA ``targets`` straight from the page cache: the file mapped
     read-only, each piece page-locked in place (cuMemHostRegister) and copied by the GPU's copy
-    engine, no host-side copy at all. Threads register pieces while others' copies run.
+    engine, no host-side copy at all. Threads lock pieces while others' copies run; each thread
+    holds at most two pieces locked (the one being copied, the next), so at most 2 x threads x
+    piece bytes of the page cache are locked at once.
 
-    Measured on the H200 host (scripts/weights-dma-bench.py, 17.2 GB from the page cache): 0.65 s
-    with 4 threads (26.6 GB/s; registering runs ~34 GB/s, the copies 55 GB/s) against 1.05 s for
-    the buffered path. Raises RegistrationRefused when CUDA cannot lock the mapping, before or
-    after some pieces were copied (the caller copies everything again its own way)."""
-    import numpy as np
-    import torch
-    from cuda.bindings import driver as cu
-
+    The scheme measured on the H200 host by scripts/weights-dma-bench.py ("pieces-4", 17.2 GB from
+    the page cache; that loop kept every piece locked until the end): 0.65 s with 4 threads
+    (26.6 GB/s; locking runs ~34 GB/s, the copies 55 GB/s) against 1.05 s for the buffered path.
+    This function itself has not run on a GPU yet (tests/gpu/test_weights_dma.py will). Raises RegistrationRefused when this path cannot run here (no cuda-bindings, the
+    file cannot be mapped, no stream, CUDA will not lock the mapping), before or after some pieces
+    were copied: every copy issued has finished by then, and the caller copies everything again
+    its own way. A copy the GPU fails raises RuntimeError."""
+    if piece <= 0 or piece % mmap.PAGESIZE:
+        raise ValueError(f"piece must be a positive multiple of the page size ({mmap.PAGESIZE}), not {piece}")
     total = segments[-1].offset + segments[-1].nbytes if segments else 0
+    if not total:
+        return {"weights_bytes": 0.0, "weights_load_s": 0.0, "weights_gb_per_s": 0.0, "weights_registered_pieces": 0.0}
+    try:
+        import numpy as np
+        from cuda.bindings import driver as cu
+    except ImportError as exc:
+        raise RegistrationRefused(f"no cuda-bindings ({exc})") from None
+    ok = cu.CUresult.CUDA_SUCCESS
     starts = [s.offset for s in segments]
     addresses = [t.data_ptr() for t in targets]
-    device = targets[0].device
+    ordinal = targets[0].device.index or 0
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     try:
         if os.fstat(fd).st_size != total:
             raise ValueError(f"{path} has {os.fstat(fd).st_size} bytes; the parameters need {total}")
-        mapping = mmap.mmap(fd, total, prot=mmap.PROT_READ, flags=mmap.MAP_SHARED) if total else None
+        try:
+            mapping = mmap.mmap(fd, total, prot=mmap.PROT_READ, flags=mmap.MAP_SHARED)
+        except OSError as exc:
+            raise RegistrationRefused(f"{path} cannot be mapped: {exc.strerror}") from None
     finally:
         os.close(fd)
-    if mapping is None:
-        return {"weights_bytes": 0.0, "weights_load_s": 0.0, "weights_gb_per_s": 0.0, "weights_registered_pieces": 0.0}
     view = np.frombuffer(mapping, dtype=np.uint8)
     base = int(view.ctypes.data)
     pieces = (total + piece - 1) // piece
     counter = itertools.count()
+    stop = threading.Event()  # one thread's failure ends the others' work at their next piece
     start = time.monotonic()
 
     def worker() -> int:
-        torch.cuda.set_device(device)  # the primary context, current on this thread
-        err, stream = cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING)
-        if err != cu.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"cuStreamCreate: {err}")
-        registered: list[int] = []
+        err, device = cu.cuDeviceGet(ordinal)
+        err2, context = cu.cuDevicePrimaryCtxRetain(device) if err == ok else (err, None)
+        if err2 != ok:
+            raise RegistrationRefused(f"no CUDA context for device {ordinal}: {err2}")
+        locked: list[tuple[int, Any]] = []  # (address, event after its copies), oldest first
+        stream = None
         try:
-            while (index := next(counter)) < pieces:
+            (err,) = cu.cuCtxSetCurrent(context)  # the primary context torch uses, on this thread
+            err2, stream = cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING) if err == ok else (err, None)
+            if err2 != ok:
+                raise RegistrationRefused(f"no CUDA stream: {err2}")
+            done = 0
+            while not stop.is_set() and (index := next(counter)) < pieces:
+                if len(locked) == 2:  # the older piece's copies must be done before it is unlocked
+                    address, event = locked.pop(0)
+                    (err,) = cu.cuEventSynchronize(event)
+                    _unlock(cu, address, event)
+                    if err != ok:
+                        raise RuntimeError(f"copying the weights to the GPU: {err}")
                 lo = index * piece
                 hi = min(lo + piece, total)
                 (err,) = cu.cuMemHostRegister(base + lo, hi - lo, cu.CU_MEMHOSTREGISTER_READ_ONLY)
-                if err != cu.CUresult.CUDA_SUCCESS:
+                if err != ok:
                     raise RegistrationRefused(f"cuMemHostRegister of {path} at byte {lo}: {err}")
-                registered.append(base + lo)
+                err, event = cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+                locked.append((base + lo, event if err == ok else None))
+                if err != ok:
+                    raise RegistrationRefused(f"no CUDA event: {err}")
                 for k, a, b in _overlaps(starts, segments, lo, hi):
                     (err,) = cu.cuMemcpyHtoDAsync(addresses[k] + a - segments[k].offset, base + a, b - a, stream)
-                    if err != cu.CUresult.CUDA_SUCCESS:
+                    if err != ok:
                         raise RuntimeError(f"copying {segments[k].name} to the GPU: {err}")
+                (err,) = cu.cuEventRecord(event, stream)
+                if err != ok:
+                    raise RuntimeError(f"copying the weights to the GPU: {err}")
+                done += 1
             (err,) = cu.cuStreamSynchronize(stream)
-            if err != cu.CUresult.CUDA_SUCCESS:
+            if err != ok:
                 raise RuntimeError(f"copying the weights to the GPU: {err}")
-            return len(registered)
+            return done
+        except BaseException:
+            stop.set()
+            raise
         finally:
-            cu.cuStreamSynchronize(stream)  # no copy may still read a piece once it is unlocked
-            for address in registered:
-                cu.cuMemHostUnregister(address)
-            cu.cuStreamDestroy(stream)
+            if stream is not None:
+                cu.cuStreamSynchronize(stream)  # no copy may still read a piece once it is unlocked
+            for address, event in locked:
+                _unlock(cu, address, event)
+            if stream is not None:
+                cu.cuStreamDestroy(stream)
+            cu.cuDevicePrimaryCtxRelease(device)
 
     try:
-        with ThreadPoolExecutor(max_workers=min(threads, pieces)) as pool:
-            done = sum(future.result() for future in [pool.submit(worker) for _ in range(min(threads, pieces))])
+        workers = min(threads, pieces)
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            futures = [pool.submit(worker) for _ in range(workers)]
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        if errors:  # a failed copy before a refusal: it is the one to report
+            raise next((e for e in errors if not isinstance(e, RegistrationRefused)), errors[0])
+        done = sum(f.result() for f in futures)
     finally:
         del view
         mapping.close()
     seconds = time.monotonic() - start
     return {"weights_bytes": float(total), "weights_load_s": seconds, "weights_gb_per_s": total / max(seconds, 1e-9) / 1e9,
             "weights_registered_pieces": float(done)}
+
+
+def _unlock(cu: Any, address: int, event: Any) -> None:
+    """Unregister a piece dma_into locked (its copies are done) and free its event; a failure is
+    said (the pages would stay locked), not raised."""
+    (err,) = cu.cuMemHostUnregister(address)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        warnings.warn(f"vsnap: cuMemHostUnregister at {address:#x}: {err}", stacklevel=1)
+    if event is not None:
+        cu.cuEventDestroy(event)
 
 
 def stream_into(path: Path, segments: list[Segment], targets: list[Any], *, threads: int = THREADS,
@@ -213,6 +267,7 @@ def stream_into(path: Path, segments: list[Segment], targets: list[Any], *, thre
             return dma_into(path, segments, targets)
         except RegistrationRefused as refused:
             warnings.warn(f"vsnap: {refused}; copying through pinned buffers", stacklevel=1)
+            return {**buffered_into(path, segments, targets, threads=threads, chunk=chunk), "weights_dma_refused": 1.0}
     return buffered_into(path, segments, targets, threads=threads, chunk=chunk)
 
 

@@ -1,0 +1,220 @@
+"""dma_into's bookkeeping against a stand-in for the CUDA driver (no GPU here): which pieces are
+page-locked when, that every byte lands, that a refusal or a failed copy leaves nothing locked and
+the file unmapped. tests/gpu/test_weights_dma.py runs the real driver on the GPU machine."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import threading
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+np = pytest.importorskip("numpy")
+
+from vsnap.engine.adapters import vllm_weights  # noqa: E402
+from vsnap.engine.adapters.vllm_weights import RegistrationRefused, Segment, dma_into  # noqa: E402
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+class FakeDriver(types.ModuleType):
+    """The calls dma_into makes, with copies done at once by memmove; ``refuse_at`` (the n-th
+    registration, from 1) and ``fail_copy_at`` make one fail."""
+
+    class CUresult:
+        CUDA_SUCCESS = 0
+        CUDA_ERROR_NOT_SUPPORTED = 801
+        CUDA_ERROR_ILLEGAL_ADDRESS = 700
+
+    class CUstream_flags:
+        CU_STREAM_NON_BLOCKING = 1
+
+    class CUevent_flags:
+        CU_EVENT_DISABLE_TIMING = 2
+
+    CU_MEMHOSTREGISTER_READ_ONLY = 8
+
+    def __init__(self, refuse_at: int | None = None, fail_copy_at: int | None = None) -> None:
+        super().__init__("cuda.bindings.driver")
+        self.lock = threading.Lock()
+        self.locked: dict[int, int] = {}
+        self.peak = self.registrations = self.copies = 0
+        self.refuse_at, self.fail_copy_at = refuse_at, fail_copy_at
+        self.contexts = 0
+
+    def cuDeviceGet(self, ordinal: int) -> tuple[int, int]:
+        return 0, ordinal
+
+    def cuDevicePrimaryCtxRetain(self, device: int) -> tuple[int, str]:
+        with self.lock:
+            self.contexts += 1
+        return 0, f"ctx{device}"
+
+    def cuDevicePrimaryCtxRelease(self, device: int) -> tuple[int]:
+        with self.lock:
+            self.contexts -= 1
+        return (0,)
+
+    def cuCtxSetCurrent(self, context: str) -> tuple[int]:
+        return (0,)
+
+    def cuStreamCreate(self, flags: int) -> tuple[int, object]:
+        return 0, object()
+
+    def cuStreamSynchronize(self, stream: object) -> tuple[int]:
+        return (0,)
+
+    def cuStreamDestroy(self, stream: object) -> tuple[int]:
+        return (0,)
+
+    def cuEventCreate(self, flags: int) -> tuple[int, object]:
+        return 0, object()
+
+    def cuEventRecord(self, event: object, stream: object) -> tuple[int]:
+        return (0,)
+
+    def cuEventSynchronize(self, event: object) -> tuple[int]:
+        return (0,)
+
+    def cuEventDestroy(self, event: object) -> tuple[int]:
+        return (0,)
+
+    def cuMemHostRegister(self, address: int, size: int, flags: int) -> tuple[int]:
+        assert flags == self.CU_MEMHOSTREGISTER_READ_ONLY and address % PAGE == 0
+        with self.lock:
+            self.registrations += 1
+            if self.registrations == self.refuse_at:
+                return (self.CUresult.CUDA_ERROR_NOT_SUPPORTED,)
+            assert all(address + size <= a or a + n <= address for a, n in self.locked.items()), "overlap"
+            self.locked[address] = size
+            self.peak = max(self.peak, len(self.locked))
+        return (0,)
+
+    def cuMemHostUnregister(self, address: int) -> tuple[int]:
+        with self.lock:
+            del self.locked[address]
+        return (0,)
+
+    def cuMemcpyHtoDAsync(self, dst: int, src: int, size: int, stream: object) -> tuple[int]:
+        with self.lock:
+            self.copies += 1
+            if self.copies == self.fail_copy_at:
+                return (self.CUresult.CUDA_ERROR_ILLEGAL_ADDRESS,)
+            assert any(a <= src and src + size <= a + n for a, n in self.locked.items()), "copy from unlocked memory"
+        ctypes.memmove(dst, src, size)
+        return (0,)
+
+
+class FakeTarget:
+    """A flat uint8 'CUDA tensor' in host memory."""
+
+    class device:
+        type = "cuda"
+        index = 0
+
+    def __init__(self, n: int) -> None:
+        self.array = np.zeros(max(n, 1), dtype=np.uint8)
+        self.n = n
+
+    def data_ptr(self) -> int:
+        return int(self.array.ctypes.data)
+
+    def bytes(self) -> bytes:
+        return self.array[:self.n].tobytes()
+
+
+def _layout(sizes: list[int]) -> list[Segment]:
+    segments, offset = [], 0
+    for k, n in enumerate(sizes):
+        segments.append(Segment(f"s{k}", offset, n, "torch.uint8", (n,)))
+        offset += n
+    return segments
+
+
+@pytest.fixture
+def weights(tmp_path: Path) -> tuple[Path, list[int], bytes]:
+    sizes = [1, 5 * PAGE + 13, PAGE, 0, 7 * PAGE - 1, 777, 3 * PAGE]
+    data = os.urandom(sum(sizes))
+    path = tmp_path / "rank0.bin"
+    path.write_bytes(data)
+    return path, sizes, data
+
+
+def _install(monkeypatch: pytest.MonkeyPatch, driver: FakeDriver) -> None:
+    bindings = types.ModuleType("cuda.bindings")
+    bindings.driver = driver  # type: ignore[attr-defined]
+    cuda = types.ModuleType("cuda")
+    cuda.bindings = bindings  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "cuda", cuda)
+    monkeypatch.setitem(sys.modules, "cuda.bindings", bindings)
+    monkeypatch.setitem(sys.modules, "cuda.bindings.driver", driver)
+
+
+def _mapped(path: Path) -> bool:
+    return str(path) in Path("/proc/self/maps").read_text()
+
+
+@pytest.mark.parametrize("piece_pages,threads", [(1, 3), (3, 2), (4, 4), (64, 1)])
+def test_every_byte_lands_with_at_most_two_pieces_locked_per_thread(
+        monkeypatch: pytest.MonkeyPatch, weights: tuple[Path, list[int], bytes], piece_pages: int, threads: int) -> None:
+    path, sizes, data = weights
+    driver = FakeDriver()
+    _install(monkeypatch, driver)
+    targets = [FakeTarget(n) for n in sizes]
+    result = dma_into(path, _layout(sizes), targets, threads=threads, piece=piece_pages * PAGE)
+    pieces = -(-len(data) // (piece_pages * PAGE))
+    assert result["weights_registered_pieces"] == pieces == driver.registrations
+    assert b"".join(t.bytes() for t in targets) == data
+    assert driver.peak <= 2 * min(threads, pieces)
+    assert driver.locked == {} and driver.contexts == 0 and not _mapped(path)
+
+
+@pytest.mark.parametrize("refuse_at", [1, 3])
+def test_a_refused_lock_raises_registration_refused_with_nothing_left_locked(
+        monkeypatch: pytest.MonkeyPatch, weights: tuple[Path, list[int], bytes], refuse_at: int) -> None:
+    path, sizes, _ = weights
+    driver = FakeDriver(refuse_at=refuse_at)
+    _install(monkeypatch, driver)
+    with pytest.raises(RegistrationRefused, match="cuMemHostRegister"):
+        dma_into(path, _layout(sizes), [FakeTarget(n) for n in sizes], threads=2, piece=PAGE)
+    assert driver.locked == {} and driver.contexts == 0 and not _mapped(path)
+    pieces = -(-sum(sizes) // PAGE)
+    assert driver.registrations <= refuse_at + 2 < pieces  # the other thread stopped too, not after every piece
+
+
+def test_a_failed_copy_is_an_error_not_a_refusal(monkeypatch: pytest.MonkeyPatch,
+                                                 weights: tuple[Path, list[int], bytes]) -> None:
+    path, sizes, _ = weights
+    driver = FakeDriver(fail_copy_at=2)
+    _install(monkeypatch, driver)
+    with pytest.raises(RuntimeError, match="to the GPU"):
+        dma_into(path, _layout(sizes), [FakeTarget(n) for n in sizes], threads=2, piece=PAGE)
+    assert driver.locked == {} and not _mapped(path)
+
+
+def test_without_cuda_bindings_or_a_mappable_file_it_is_refused(monkeypatch: pytest.MonkeyPatch,
+                                                                 weights: tuple[Path, list[int], bytes]) -> None:
+    path, sizes, _ = weights
+    monkeypatch.setitem(sys.modules, "cuda.bindings", None)  # import fails
+    monkeypatch.setitem(sys.modules, "cuda", None)
+    with pytest.raises(RegistrationRefused, match="no cuda-bindings"):
+        dma_into(path, _layout(sizes), [FakeTarget(n) for n in sizes])
+    _install(monkeypatch, FakeDriver())
+
+    def no_mmap(*_: Any, **__: Any) -> Any:
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(vllm_weights.mmap, "mmap", no_mmap)
+    with pytest.raises(RegistrationRefused, match="cannot be mapped"):
+        dma_into(path, _layout(sizes), [FakeTarget(n) for n in sizes])
+
+
+def test_a_piece_that_is_not_whole_pages_is_refused(weights: tuple[Path, list[int], bytes]) -> None:
+    path, sizes, _ = weights
+    with pytest.raises(ValueError, match="multiple of the page size"):
+        dma_into(path, _layout(sizes), [FakeTarget(n) for n in sizes], piece=PAGE + 100)
