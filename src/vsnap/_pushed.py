@@ -64,8 +64,7 @@ class PushedBlobs:
                                        "size": layer.size}
             data = json.dumps({"image": self._image, "files": self._files}).encode()
             try:
-                self._root.mkdir(parents=True, mode=0o700, exist_ok=True)
-                if verified._private(self._root):
+                if verified.writable_root(self._root):
                     write_atomic(self._root, self._name, data)
             except OSError:
                 pass  # only a cache: the next push recomputes

@@ -98,13 +98,25 @@ def remember(image_dir: Path, digests: dict[str, tuple[os.stat_result, str]], ro
     _write_record(root, _record_path(image_dir, root).name, {"image": str(image_dir.resolve()), "files": files})
 
 
+def writable_root(root: Path) -> bool:
+    """Make ``root`` (and its missing ancestors) as make_trusted_dirs does, never through another
+    user's directory or link (VSNAP_RUNTIME_DIR may put it under /tmp); True if it is root's
+    private directory, where a cache may be written."""
+    from ._trust import make_trusted_dirs
+    from .protocol.errors import ImageUntrusted
+
+    try:
+        make_trusted_dirs(root)
+        return _private(root)
+    except (ImageUntrusted, OSError):
+        return False  # someone else's directory: never trust, never write
+
+
 def _write_record(root: Path, name: str, document: dict) -> None:
     """Write a record into ``root`` (made 0700 if missing), only if it is root's private directory."""
     try:
-        root.mkdir(parents=True, mode=0o700, exist_ok=True)
-        if not _private(root):
-            return  # someone else's directory: never trust, never write
-        write_atomic(root, name, json.dumps(document).encode())
+        if writable_root(root):
+            write_atomic(root, name, json.dumps(document).encode())
     except OSError:
         pass  # only a cache: the next restore hashes again
 

@@ -102,3 +102,25 @@ def test_rehash_hashes_everything_and_records_it(tmp_path: Path) -> None:
     verify_files(image, manifest, cache_root=cache)
     assert len(verify_files(image, manifest, cache_root=cache, rehash=True)) == 2
     assert verify_files(image, manifest, cache_root=cache) == []
+
+
+def test_no_record_is_written_through_another_users_directory(tmp_path: Path) -> None:
+    """VSNAP_RUNTIME_DIR can put the cache under a directory others write to: a record is written
+    only where every directory on the way is root's (make_trusted_dirs), never through another
+    user's directory or link."""
+    import os
+
+    from vsnap._verified import writable_root
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root (chown)")
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, 65534, 65534)
+    assert not writable_root(theirs / "run" / "verified")
+    assert not (theirs / "run").exists()  # nothing made inside it
+    os.symlink(theirs, tmp_path / "link")
+    os.lchown(tmp_path / "link", 65534, 65534)
+    assert not writable_root(tmp_path / "link" / "verified")
+    mine = tmp_path / "mine" / "run" / "verified"
+    assert writable_root(mine) and oct(mine.stat().st_mode & 0o777) == "0o700"
