@@ -240,8 +240,7 @@ def cold_start(spec: ModelSpec, env_extra: dict[str, str],
         tree = launch_tree(control_dir, work, shm, env)
         cleanup.on_exit(end_launched_tree, tree)
         _wait_status(work, tree.identity, ("validated",), "boot engine", log)
-        status = hand_over_listener(work, tree.identity, "127.0.0.1", 0, log)
-        url = f"http://127.0.0.1:{status.detail['port']}"
+        url = f"http://127.0.0.1:{hand_over_listener(work, tree.identity, '127.0.0.1', 0, log)}"
         first_token(url, spec.served_model_name)
         seconds = time.monotonic() - start
         return ColdStart(seconds, while_up(url) if while_up is not None else [], instance_id)

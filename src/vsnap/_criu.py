@@ -158,11 +158,14 @@ class CriuRunner:
             options.pidfile.unlink()
         except FileNotFoundError:
             pass
-        self._run("restore", options.to_argv(), options.log_file, timeout_s, pass_fds=tuple(options.inherit_fds))
         try:
-            return int(options.pidfile.read_text().strip())
-        except (OSError, ValueError):
-            raise CriuError("restore", 0, options.log_file, f"no pid in {options.pidfile}") from None
+            self._run("restore", options.to_argv(), options.log_file, timeout_s, pass_fds=tuple(options.inherit_fds))
+            try:
+                return int(options.pidfile.read_text().strip())
+            except (OSError, ValueError):
+                raise CriuError("restore", 0, options.log_file, f"no pid in {options.pidfile}") from None
+        finally:
+            options.pidfile.unlink(missing_ok=True)
 
 
 class LazyPagesServer:

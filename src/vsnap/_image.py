@@ -121,7 +121,7 @@ def is_vsnap_image(directory: Path) -> bool:
         if not stat.S_ISREG(st.st_mode) or st.st_size > 16 << 20:
             return False
         raw = json.loads(os.read(fd, st.st_size + 1) or b"null")
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: JSON nested too deep
         return False
     finally:
         os.close(fd)

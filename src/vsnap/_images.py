@@ -343,7 +343,7 @@ def _raw_manifest(image_dir: Path) -> dict:
         if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_MANIFEST_BYTES:
             raise not_image
         raw = json.loads(os.read(fd, MAX_MANIFEST_BYTES + 1) or b"null")
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: JSON nested too deep
         raise not_image from None
     finally:
         os.close(fd)

@@ -22,7 +22,7 @@ import secrets
 import shutil
 import stat
 import time
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -30,7 +30,8 @@ from pydantic import BaseModel, ConfigDict
 from .protocol import control
 from ._proctree import ProcessIdentity, identify, is_same
 from ._shm import remove_instance_shm, remove_orphans, shm_dir_of
-from ._paths import RUNTIME_DIR
+from ._mounts import mount_roots
+from ._paths import RUNTIME_DIR, require_runtime_dir
 from ._trust import make_trusted_dirs
 
 
@@ -114,9 +115,11 @@ INSTANCE_NAME = re.compile(r"(?:capture|r|cold)-[0-9a-f]{8}")  # what new_instan
 def prune_failed(root: Path, keep_s: float = KEEP_FAILED_S) -> list[str]:
     """Remove instance directories untouched for ``keep_s`` that no running instance uses: only
     what new_instance_dir made (its name, root's, private). The root is named by a manifest's
-    control_dir, which may be hostile: whatever else sits in a directory of that name stays."""
+    control_dir, which may be hostile: whatever else sits in a directory of that name stays. A
+    directory some process has bound (a live tree's control directory) stays too, whether or not a
+    record names it (one another vsnap version wrote, or one under another VSNAP_RUNTIME_DIR)."""
     in_use = {Path(r.instance_dir).name for r in running_instances()}
-    removed = []
+    candidates = []
     for entry in root.iterdir():
         try:
             st = entry.lstat()
@@ -126,12 +129,20 @@ def prune_failed(root: Path, keep_s: float = KEEP_FAILED_S) -> list[str]:
             continue
         if not INSTANCE_NAME.fullmatch(entry.name) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
             continue
-        shutil.rmtree(entry, ignore_errors=True)
-        removed.append(entry.name)
+        candidates.append(entry)
+    if not candidates:
+        return []
+    mounted = {PurePosixPath(r).name for r in mount_roots()}  # instance names are random: a name is enough
+    removed = []
+    for entry in candidates:
+        if entry.name not in mounted:
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry.name)
     return removed
 
 
 def registry_dir() -> Path:
+    require_runtime_dir()
     return control.ensure_private_dir(make_trusted_dirs(RUNTIME_DIR / "instances"))
 
 

@@ -177,7 +177,7 @@ def read_manifest(image_dir: Path) -> Manifest:
         os.close(fd)
     try:
         raw = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: JSON nested too deep
         raw = None
     # The version first, from the raw document: another version may have other fields.
     version = raw.get("format_version") if isinstance(raw, dict) else None

@@ -64,6 +64,6 @@ def read_origin(image_dir: Path) -> str | None:
     try:
         record = json.loads(data)
         reference, digest = str(record["reference"]), str(record["manifest_sha256"])
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):
         return None
     return reference if digest == manifest_sha256(image_dir) else None

@@ -13,7 +13,9 @@ from pathlib import Path, PurePosixPath
 DEFAULT_IMAGE_ROOT = Path("/var/lib/vsnap/images")
 DEFAULT_CONTROL_ROOT = Path("/run/vsnap")
 # vsnap's own records on this host: instances, captures, the caches of verified and pushed files
-RUNTIME_DIR = Path(os.environ.get("VSNAP_RUNTIME_DIR", "/run/vsnap"))
+# (VSNAP_RUNTIME_DIR moves them; a value that is not a clean absolute directory of its own is
+# refused by require_runtime_dir, and meanwhile the default is used)
+DEFAULT_RUNTIME_DIR = Path("/run/vsnap")
 
 # Directories that a spec may never name as its image or control directory: a capture with
 # --force replaces the image directory, and the control directory is made private (0700) and
@@ -83,3 +85,28 @@ def require_safe_directory(value: str, what: str) -> None:
         refuse_system_path(absolute_clean(value, what), what, "choose a directory of its own")
     except ValueError as exc:
         raise ImageUntrusted(value, str(exc), hint="choose a directory of its own") from None
+
+
+def _runtime_dir(value: str | None) -> tuple[Path, str | None]:
+    """(the runtime directory, why VSNAP_RUNTIME_DIR=value is refused or None)."""
+    if value is None or value == str(DEFAULT_RUNTIME_DIR):
+        return DEFAULT_RUNTIME_DIR, None
+    try:
+        refuse_system_path(absolute_clean(value, "VSNAP_RUNTIME_DIR"), "VSNAP_RUNTIME_DIR", "vsnap's records")
+    except ValueError as exc:
+        return DEFAULT_RUNTIME_DIR, str(exc)
+    return Path(os.path.normpath(value)), None
+
+
+RUNTIME_DIR, RUNTIME_DIR_PROBLEM = _runtime_dir(os.environ.get("VSNAP_RUNTIME_DIR"))
+
+
+def require_runtime_dir() -> None:
+    """Refuse (HostNotReady, one line) a VSNAP_RUNTIME_DIR that is not a clean absolute directory
+    of its own: the records there decide which processes vsnap stops and what it removes."""
+    if RUNTIME_DIR_PROBLEM is not None:
+        from .protocol.errors import HostNotReady
+
+        raise HostNotReady("runtime dir", RUNTIME_DIR_PROBLEM,
+                           hint="set VSNAP_RUNTIME_DIR to an absolute directory of its own (e.g. /run/vsnap-test), "
+                                "or unset it")

@@ -75,6 +75,39 @@ def identify(pid: int) -> ProcessIdentity | None:
     return ProcessIdentity(pid, int(fields[19]), _boot_id())
 
 
+def identify_restored_root(pid: int) -> ProcessIdentity | None:
+    """The identity of ``pid`` if it is provably the tree CRIU just restored for this process: our
+    child (we are the subreaper the detached tree was handed to) and PID 1 of a PID namespace of
+    its own; else None. The PID comes from CRIU's pidfile, which the restored tree could rewrite."""
+    fields = _stat_fields(pid)
+    if fields is None or fields[0] in ("Z", "X") or fields[1] != str(os.getpid()):
+        return None
+    if namespace_pids(pid)[1:] != [1]:  # host PID, then 1 inside the tree's namespace, and no deeper
+        return None
+    return ProcessIdentity(pid, int(fields[19]), _boot_id())  # our child: its PID is ours until we reap it
+
+
+def namespace_pids(pid: int) -> list[int]:
+    """The PIDs of ``pid`` in each PID namespace it is in, outermost first (/proc/PID/status NSpid)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("NSpid:"):
+                    return [int(v) for v in line.split()[1:]]
+    except (OSError, ValueError):
+        pass
+    return []
+
+
+def in_tree_namespace(pid: int, root: ProcessIdentity) -> bool:
+    """Is ``pid`` in the PID namespace whose first process ``root`` is (still the same process)?"""
+    try:
+        same = os.readlink(f"/proc/{pid}/ns/pid") == os.readlink(f"/proc/{root.pid}/ns/pid")
+    except OSError:
+        return False
+    return same and is_same(root)
+
+
 def is_same(identity: ProcessIdentity) -> bool:
     """True while the process that ``identity`` names is alive; False once it ended or its PID was reused."""
     return identify(identity.pid) == identity

@@ -97,7 +97,7 @@ def read_docker_config(path: Path) -> dict[str, Any]:
         os.close(fd)
     try:
         config = json.loads(data) if 0 < len(data) <= MAX_CONFIG_BYTES else None
-    except ValueError:
+    except (ValueError, RecursionError):
         config = None
     if not isinstance(config, dict):
         raise RegistryUnavailable("", f"the docker config {path} is not a JSON object of at most 1 MiB",

@@ -36,16 +36,16 @@ from ._verified import VERIFIED_DIR
 from ._netns import NetnsHolder
 from ._instances import (InstanceRecord, ProcessRef, new_instance_dir, prune_dead_runs, register, request_stop,
                          running_instances, stop_requested, this_process, unregister)
-from ._proctree import (ProcessIdentity, alive, become_subreaper, identify, is_same, kill_tree, reap, tree_memory_bytes,
-                        tree_pids)
+from ._proctree import (ProcessIdentity, alive, become_subreaper, identify_restored_root, in_tree_namespace, is_same,
+                        kill_tree, reap, tree_memory_bytes, tree_pids)
 from ._shm import instance_shm_dir, put_back, remove_instance_shm, shm_dir_of
 from ._origin import manifest_sha256
-from ._paths import require_safe_directory
+from ._paths import RUNTIME_DIR, require_safe_directory
 from ._trust import copy_no_follow, make_trusted_dirs, require_trusted_ancestors, require_trusted_tree
 
 RESTORE_LOG = "restore.log"
 LAZY_PAGES_LOG = "lazy-pages.log"
-RESTORE_PID = "restore.pid"
+PIDFILE_DIR = RUNTIME_DIR / "pids"  # CRIU's pidfiles: root's alone, never inside a tree's control directory
 ACTIVATION_LOCK = "activation.lock"  # in a standby's instance directory, held by `vsnap activate`
 RECOVER_TIMEOUT_S = 600.0
 T = TypeVar("T")
@@ -104,11 +104,16 @@ def check_port_free(host: str, port: int) -> None:
         bind_listener(host, port).close()
 
 
+def _int(value: object) -> int:
+    """A number the tree reported (its control files are its to write), -1 when it is none."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else -1
+
+
 def _engine_failure(report: ErrorReport, log: Path) -> EngineError:
     if report.type == "OracleMismatch":
         d = report.detail
-        return OracleMismatch(int(d.get("prompt", -1)), int(d.get("position", -1)), str(d.get("expected", "?")),
-                              str(d.get("actual", "?")), log_path=log)
+        return OracleMismatch(_int(d.get("prompt")), _int(d.get("position")), str(d.get("expected", "?"))[:200],
+                              str(d.get("actual", "?"))[:200], log_path=log)
     return EngineError(report.phase, report.type, report.message, log_path=log)
 
 
@@ -142,11 +147,21 @@ def bind_listener(host: str, port: int) -> socket.socket:
     return sock
 
 
-def hand_over_listener(work: Path, tree: ProcessIdentity, host: str, port: int, log: Path) -> Status:
-    """Bind host:port here, pass the socket into the validated tree, wait until it serves."""
+def hand_over_listener(work: Path, tree: ProcessIdentity, host: str, port: int, log: Path) -> int:
+    """Bind host:port here, pass the socket into the validated tree, wait until it serves; return
+    the port bound (the one asked for, or the one the kernel chose for 0: never what the tree says)."""
     with bind_listener(host, port) as listener:
-        control.send_listener(work, listener)
-    return _wait_status(work, tree, ("serving",), "serve", log)
+        bound = int(listener.getsockname()[1])
+        control.send_listener(work, listener, peer_allowed=lambda pid: in_tree_namespace(pid, tree))
+    _wait_status(work, tree, ("serving",), "serve", log)
+    return bound
+
+
+def restore_pidfile(instance_id: str) -> Path:
+    """Where CRIU writes the restored root's PID: a directory of root's alone (make_trusted_dirs),
+    not the instance directory, which the restored tree sees as its control directory and could
+    rewrite before vsnap reads it (CriuRunner.restore reads it once and removes it)."""
+    return control.ensure_private_dir(make_trusted_dirs(PIDFILE_DIR)) / f"{instance_id}.pid"
 
 
 def health_check(url: str, timeout_s: float = 30) -> None:
@@ -390,12 +405,13 @@ def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000,
                 cleanup.on_failure(lazy.kill)
             pid = runner.restore(RestoreOptions(
                 images_dir=image_dir / CRIU_DIR, work_dir=work, log_file=work / RESTORE_LOG,
-                pidfile=work / RESTORE_PID, externals=externals, inherit_fds={int(netns.fd or -1): manifest.netns_key},
-                lazy_pages=lazy_pages))
-            identity = identify(pid)  # our child (we are its subreaper): its PID cannot be reused yet
+                pidfile=restore_pidfile(instance_id), externals=externals,
+                inherit_fds={int(netns.fd or -1): manifest.netns_key}, lazy_pages=lazy_pages))
+            identity = identify_restored_root(pid)  # our child and its namespace's PID 1, or not the tree
             if identity is None:
                 reap(pid)
-                raise EngineError("criu restore", "EngineExited", "the restored tree exited at once", log_path=engine_log)
+                raise EngineError("criu restore", "EngineExited", f"the restored tree (pid {pid}) exited at once, or "
+                                  "is not a PID namespace's first process handed to vsnap", log_path=engine_log)
             restored.append(identity)
             cleanup.on_failure(kill_tree, identity)
             record = record.model_copy(update={"tree": ProcessRef.of(identity)})
@@ -445,9 +461,9 @@ def _bring_up(tree: _Tree, host: str, port: int, targets: list[dict] | None, tim
     _check_stop(work)
     with timings.phase("serve"):
         started = time.monotonic()
-        serving = hand_over_listener(work, identity, host, port, engine_log)
+        bound = hand_over_listener(work, identity, host, port, engine_log)
         handed_over = time.monotonic()
-        server = RestoredServer(identity.pid, host, int(serving.detail.get("port", port)), tree.image_dir,
+        server = RestoredServer(identity.pid, host, bound, tree.image_dir,
                                 tree.record.id, work, gpu=",".join(t["uuid"] for t in targets) if targets else None,
                                 identity=identity)
         health_check(server.url)

@@ -16,6 +16,7 @@ import stat
 import time
 from pathlib import Path
 
+from ._mounts import mount_roots
 from ._trust import copy_no_follow
 from .protocol.errors import ProcessTreeError
 
@@ -71,19 +72,7 @@ def remove_instance_shm(directory: Path) -> None:
 
 def _mounted_names() -> set[str]:
     """Names of /dev/shm/vsnap-* directories some process has bound (a live tree's /dev/shm)."""
-    names: set[str] = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/mountinfo") as f:
-                for line in f:
-                    fields = line.split()
-                    if len(fields) > 4 and fields[4] == str(SHM) and fields[3].startswith("/vsnap-"):
-                        names.add(fields[3][1:])
-        except OSError:
-            continue
-    return names
+    return {root[1:] for root in mount_roots(str(SHM)) if root.startswith("/vsnap-")}
 
 
 def remove_orphans(known: set[str], min_age_s: float = 60.0) -> list[str]:

@@ -122,7 +122,21 @@ def _write_record(root: Path, name: str, document: dict) -> None:
 
 
 def forget(image_dir: Path, root: Path = VERIFIED_DIR) -> None:
-    _record_path(image_dir, root).unlink(missing_ok=True)
+    """Remove the record of ``image_dir``: inside ``root`` only if it is root's private directory
+    (opened without following a link, then checked), never through a link someone else made."""
+    record = _record_path(image_dir, root)
+    try:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return  # no cache (or not a directory of its own): nothing of ours to forget
+    try:
+        st = os.fstat(fd)
+        if st.st_uid == os.geteuid() and not st.st_mode & 0o077:
+            os.unlink(record.name, dir_fd=fd)
+    except FileNotFoundError:
+        pass
+    finally:
+        os.close(fd)
 
 
 # Host files a restored tree depends on (its mapped libraries, the model's files), by absolute

@@ -140,3 +140,31 @@ def test_a_message_of_another_protocol_is_refused_naming_both_versions(tmp_path:
     control.write_atomic(ctl, control.ACTIVATION, b'{"host": "127.0.0.1", "port": 1}')  # before versions existed
     with pytest.raises(ControlProtocolError, match=r"protocol 1\)"):
         control.read_message(ctl, control.ACTIVATION, Activation)
+
+
+def test_listener_handoff_never_follows_a_link_or_serves_another_process(ctl: Path, tmp_path: Path) -> None:
+    """Hostile pass 10: listen.sock is the tree's to write. A link there made vsnap connect (as
+    root, in the host's mount namespace) to any socket and hand it the bound TCP listener."""
+    import socket
+
+    other = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    other.bind(str(tmp_path / "victim.sock"))
+    other.listen(1)
+    os.symlink(tmp_path / "victim.sock", ctl / control.LISTENER)
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        with pytest.raises(ControlProtocolError, match="not a socket"):
+            control.send_listener(ctl, listener)
+        os.unlink(ctl / control.LISTENER)
+        (ctl / control.LISTENER).write_text("")
+        with pytest.raises(ControlProtocolError, match="not a socket"):
+            control.send_listener(ctl, listener)
+        os.unlink(ctl / control.LISTENER)
+        with pytest.raises(ControlProtocolError, match="cannot open it"):
+            control.send_listener(ctl, listener)
+        server = control.open_handoff(ctl)  # a real socket, but the check on its listener says no
+        seen: list[int] = []
+        with pytest.raises(ControlProtocolError, match=rf"pid {os.getpid()}\) is not in the tree"):
+            control.send_listener(ctl, listener, peer_allowed=lambda pid: seen.append(pid) is not None)
+        assert seen == [os.getpid()]
+        server.close()
+    other.close()

@@ -160,8 +160,9 @@ def test_every_criu_run_gets_the_flag_and_the_clean_environment(tmp_path: Path, 
     runner.check()
     runner.check_feature("uffd-noncoop")
     runner.dump(DumpOptions(pid=42, images_dir=tmp_path, log_file=tmp_path / "d.log"))
-    runner.restore(RestoreOptions(images_dir=tmp_path, work_dir=tmp_path, log_file=tmp_path / "r.log",
-                                  pidfile=tmp_path / "pid"))
+    assert runner.restore(RestoreOptions(images_dir=tmp_path, work_dir=tmp_path, log_file=tmp_path / "r.log",
+                                         pidfile=tmp_path / "pid")) == 7
+    assert not (tmp_path / "pid").exists()  # read once, then gone
     runner.start_lazy_pages(LazyPagesOptions(images_dir=tmp_path, work_dir=tmp_path, log_file=tmp_path / "l.log"))
     assert len(runs) == 6
     for argv, env in runs:

@@ -98,6 +98,24 @@ def test_manifest_of_another_format_version_is_named(tmp_path: Path) -> None:
         read_manifest(image)
 
 
+def test_a_manifest_nested_too_deep_is_malformed_not_a_traceback(tmp_path: Path) -> None:
+    """Hostile pass 10: json.loads raises RecursionError (not a ValueError) on deep nesting: the
+    manifest's reader, `vsnap images` and the image check all ended in a traceback."""
+    from vsnap.protocol.errors import ImageFormatError
+    from vsnap._image import is_vsnap_image
+    from vsnap._images import list_images
+    from vsnap._manifest import read_manifest
+
+    image = tmp_path / "img"
+    image.mkdir()
+    (image / "manifest.json").write_text('{"format_version": 2, "x": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(ImageFormatError, match="is malformed"):
+        read_manifest(image)
+    assert not is_vsnap_image(image)
+    listing = list_images([tmp_path])  # the listing goes on past it
+    assert listing.images == [] and [entry.path for entry in listing.skipped] == [str(image)]
+
+
 @pytest.mark.parametrize("host, url", [("127.0.0.1", "http://127.0.0.1:8000"), ("0.0.0.0", "http://127.0.0.1:8000"),
                                        ("::1", "http://[::1]:8000"), ("::", "http://[::1]:8000"),
                                        ("fe80::1", "http://[fe80::1]:8000"), ("localhost", "http://localhost:8000")])

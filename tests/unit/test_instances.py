@@ -179,3 +179,36 @@ def test_stopping_an_activation_whose_vsnap_died_does_not_wait(tmp_path: Path, m
     finally:
         tree.kill()
         tree.wait()
+
+
+def test_a_directory_a_live_tree_has_bound_is_never_pruned(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hostile pass 10: a live instance whose record this vsnap cannot read (another version's) or
+    that another VSNAP_RUNTIME_DIR records was pruned after three days, its control directory
+    (owner.json, status.json, listen.sock) removed under the serving tree."""
+    import shutil
+    import subprocess
+
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("binds a directory in a mount namespace of its own: needs root and unshare")
+    monkeypatch.setattr(_instances, "RUNTIME_DIR", tmp_path / "run")  # no record names it
+    control_dir = tmp_path / "control"
+    control_dir.mkdir()
+    root = Path(f"{control_dir}.instances")
+    root.mkdir(mode=0o700)
+    live, dead = root / "r-0000001a", root / "r-0000001b"
+    for directory in (live, dead):
+        directory.mkdir(mode=0o700)
+        (directory / "owner.json").write_text("{}")
+        long_ago = time.time() - _instances.KEEP_FAILED_S - 60
+        os.utime(directory, (long_ago, long_ago))
+    tree = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                             f'mount --bind "{live}" "{control_dir}" && echo bound && exec sleep 60'],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert tree.stdout is not None and tree.stdout.readline().strip() == "bound"
+        instance_id, _ = new_instance_dir(control_dir, "r")
+        assert sorted(p.name for p in root.iterdir()) == sorted(["r-0000001a", instance_id])
+        assert (live / "owner.json").exists()
+    finally:
+        tree.kill()
+        tree.wait()

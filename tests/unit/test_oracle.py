@@ -35,3 +35,18 @@ def test_nan_and_missing_fail_closed() -> None:
     with pytest.raises(OracleMismatch, match="absent"):
         compare_oracles(oracle([1]), shorter, 1.0)
 
+
+
+def test_an_oracle_failure_the_tree_reports_with_odd_fields_is_still_one_line() -> None:
+    """Hostile pass 10: error.json is the tree's to write; a prompt of "1e9x" raised ValueError
+    (a traceback) where vsnap reads it."""
+    from pathlib import Path
+
+    from vsnap._restore import _engine_failure
+    from vsnap.protocol.control import ErrorReport
+
+    report = ErrorReport(phase="recover", type="OracleMismatch", message="m",
+                         detail={"prompt": "1e9x", "position": True, "expected": "a" * 10_000, "actual": 3})
+    error = _engine_failure(report, Path("/x/engine.log"))
+    assert isinstance(error, OracleMismatch)
+    assert (error.prompt, error.position) == (-1, -1) and len(error.expected) == 200 and error.actual == "3"

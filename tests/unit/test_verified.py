@@ -124,3 +124,26 @@ def test_no_record_is_written_through_another_users_directory(tmp_path: Path) ->
     assert not writable_root(tmp_path / "link" / "verified")
     mine = tmp_path / "mine" / "run" / "verified"
     assert writable_root(mine) and oct(mine.stat().st_mode & 0o777) == "0o700"
+
+
+def test_forget_never_removes_through_a_link_or_anothers_directory(tmp_path: Path) -> None:
+    """Hostile pass 10: forget unlinked <root>/<hash>.json by path, so a link planted at the cache's
+    name (VSNAP_RUNTIME_DIR under a directory another user made first) removed root's file of that
+    name in any directory."""
+    image, manifest = _image(tmp_path)
+    victim = tmp_path / "victim"
+    victim.mkdir(mode=0o700)
+    record = victim / _verified._record_path(image, victim).name
+    record.write_text("root's")
+    os.symlink(victim, tmp_path / "link")
+    _verified.forget(image, tmp_path / "link")
+    assert record.read_text() == "root's"
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    os.chmod(open_dir, 0o777)  # not a directory of root's alone: its files are not ours to judge
+    (open_dir / record.name).write_text("x")
+    _verified.forget(image, open_dir)
+    assert (open_dir / record.name).exists()
+    _verified.forget(image, victim)  # root's own private cache: the record goes
+    assert not record.exists()
+    _verified.forget(image, tmp_path / "none")  # no cache: nothing to do

@@ -19,6 +19,7 @@ from typing import Any, Callable, Sequence, TypeVar
 import typer
 from typer.core import TyperGroup
 
+from .._paths import require_runtime_dir
 from ..protocol.errors import UsageError, VsnapError
 from . import _render
 
@@ -154,6 +155,7 @@ def error_boundary(fn: F) -> F:
         # of a non-interactive shell inherits SIG_IGN, and Python then installs no handler)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
+            require_runtime_dir()
             return fn(*args, **kwargs)
         except VsnapError as error:
             _render.print_error(error, bool(kwargs.get("as_json")))
