@@ -330,8 +330,10 @@ def test_decompressed_bytes_must_match_the_manifest(tmp_path: Path) -> None:
 def test_first_failure_cancels_the_other_transfers() -> None:
     cancel = threading.Event()
     stopped = []
+    all_started = threading.Barrier(3, timeout=30)  # else on a loaded machine 2 may start after the cancel
 
     def transfer(item: int) -> int:
+        all_started.wait()
         if item == 0:
             raise ArtifactError("ref", "blob 0 is bad")
         on_bytes = checking(cancel)
