@@ -44,7 +44,7 @@ from typing import Any, Callable
 
 from . import _verified as verified
 from .protocol import control
-from .protocol.errors import EngineError, VsnapError
+from .protocol.errors import EngineError, UnsupportedOption, VsnapError
 from ._capture import capture_image, end_launched_tree, launch_config, resolve_model, tree_environment
 from ._cleanup import Cleanup
 from ._events import ProgressCallback, Timings
@@ -362,6 +362,12 @@ def run_bench(spec: ModelSpec, *, runs: int = 3, cold_runs: int | None = None, l
               standby: bool = True, out_dir: Path | None = None,
               on_event: ProgressCallback | None = None) -> dict[str, Any]:
     timings = Timings(on_event)
+    if spec.engine == "vllm":
+        from .engine.adapters.vllm_rules import serves_tls
+
+        if serves_tls(dict(spec.serve)):
+            raise UnsupportedOption("serve.ssl_keyfile", "vsnap bench speaks plain HTTP to the servers it measures",
+                                    hint="bench a copy of the spec without serve.ssl_keyfile and serve.ssl_certfile")
     with timings.phase("preflight"):
         if out_dir is not None:
             make_trusted_dirs(out_dir)  # before minutes of measuring: the record must be writable safely

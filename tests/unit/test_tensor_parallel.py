@@ -384,3 +384,11 @@ def test_an_inherited_cuda_visible_devices_records_the_gpus_the_ranks_see(monkey
         "GPU-b", "GPU-a"]
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")  # vsnap set it itself (UUIDs): picked by name
     assert _capture.recorded_visible({"CUDA_VISIBLE_DEVICES": "GPU-a,GPU-b"}) == "GPU-a,GPU-b"
+
+
+def test_the_tls_files_are_what_the_restored_server_reads() -> None:
+    """They are image dependencies (uvicorn reads them as root after every restore): both spellings
+    of the key, nothing that is not a path."""
+    assert vllm_rules.files_read_when_serving({"ssl_keyfile": "/k.pem", "ssl-certfile": "/c.pem",
+                                               "ssl_ca_certs": "", "port": 1}) == ["/k.pem", "/c.pem"]
+    assert vllm_rules.files_read_when_serving({"ssl_keyfile": 5, "tokenizer": "/t"}) == []

@@ -73,6 +73,7 @@ def test_plain_single_gpu_args_accepted(tiny_llama: Path) -> None:
     ({"logprobs_mode": "raw_logits"}, "logprobs_mode"),
     ({"trust_remote_code": True}, "trust_remote_code"),
     ({"logprobs_mode": "processed_logits"}, "logprobs_mode"),
+    ({"ssl_cert_reqs": 2}, "ssl_cert_reqs"),
 ])
 @pytest.mark.parametrize("cuda", [True, False], ids=["cuda", "cpu"])
 def test_argument_rules_name_the_argument(tiny_llama: Path, serve: dict, argument: str, cuda: bool) -> None:

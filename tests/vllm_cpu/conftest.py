@@ -46,22 +46,32 @@ def run_vsnap(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[s
     return subprocess.run([VSNAP, *args], capture_output=True, text=True, timeout=timeout, cwd="/")
 
 
-@pytest.fixture(scope="session")
-def vllm_image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmImage]:
-    """One real capture of a vLLM CPU server through the CLI, shared by the tests."""
-    base = tmp_path_factory.mktemp("vllm-cpu")
+def capture_tiny(base: Path, name: str, serve: tuple[str, ...] = ()) -> VllmImage:
+    """A real capture, through the CLI, of a vLLM CPU server of a tiny model (``serve``: more
+    lines of the spec's serve section)."""
     model = base / "tiny-llama"
     subprocess.run([sys.executable, str(ROOT / "scripts" / "make_test_model.py"), str(model), "--shape", "tiny"],
                    check=True, capture_output=True)
-    image, control_dir = base / "images" / "vllm-tiny", base / "control" / "vllm-tiny"
-    spec = base / "vllm-tiny.yaml"
+    image, control_dir = base / "images" / name, base / "control" / name
+    spec = base / f"{name}.yaml"
     spec.write_text("\n".join([
-        "name: vllm-tiny", "engine: vllm", f"model: {model}", f"image: {image}",
-        "serve:", "  max_model_len: 512", "  enforce_eager: true", "  kv_cache_memory_bytes: 1048576",
+        f"name: {name}", "engine: vllm", f"model: {model}", f"image: {image}",
+        "serve:", "  max_model_len: 512", "  enforce_eager: true", "  kv_cache_memory_bytes: 1048576", *serve,
         "snapshot:", f"  control_dir: {control_dir}", "  timeout_s: 600", ""]))
     result = run_vsnap("capture", str(spec), "--json")
     assert result.returncode == 0, result.stderr[-3000:]
     doc = json.loads(result.stdout)
-    yield VllmImage(spec, image, control_dir, read_manifest(image), sum(doc["timings"].values()))
-    for pid in engine_processes(control_dir):
+    return VllmImage(spec, image, control_dir, read_manifest(image), sum(doc["timings"].values()))
+
+
+def kill_leftovers(image: VllmImage) -> None:
+    for pid in engine_processes(image.control_dir):
         subprocess.run(["kill", "-9", str(pid)])
+
+
+@pytest.fixture(scope="session")
+def vllm_image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmImage]:
+    """One real capture of a vLLM CPU server through the CLI, shared by the tests."""
+    image = capture_tiny(tmp_path_factory.mktemp("vllm-cpu"), "vllm-tiny")
+    yield image
+    kill_leftovers(image)

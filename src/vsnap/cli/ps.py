@@ -37,7 +37,8 @@ def short_gpu(gpu: str | None) -> str:
 
 
 def address(url: str) -> str:
-    """host:port of an http URL (127.0.0.1:8000, [::1]:8000): the table's width; JSON keeps the URL."""
+    """host:port of an http URL (127.0.0.1:8000, [::1]:8000), https:// kept (the table's width;
+    JSON keeps the URL)."""
     return url.removeprefix("http://").rstrip("/") or "-"
 
 

@@ -125,15 +125,30 @@ TP1_RECAPTURE_ENV = "VSNAP_TP1_RECAPTURE"
 def tensor_parallel_size(serve: dict[str, Any]) -> int:
     """The spec's tensor_parallel_size as vLLM's parser reads it (1 when absent or unreadable: the
     rules refuse what is not 1 or 2 before anything runs)."""
-    for key in ("tensor_parallel_size", "tensor-parallel-size"):
-        value = serve.get(key)
-        if isinstance(value, bool):
-            return 1
-        if isinstance(value, int):
-            return value
-        if isinstance(value, str) and value.strip().isdigit():
-            return int(value.strip())
+    _, value = _given(serve, "tensor_parallel_size")
+    if isinstance(value, bool):
+        return 1
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value.strip())
     return 1
+
+
+# the files uvicorn reads when the restored server starts (after the restore, not at boot)
+SERVING_FILES = ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs")
+
+
+def serves_tls(serve: dict[str, Any]) -> bool:
+    """Does the server speak HTTPS (uvicorn turns TLS on with a key file or a certificate file)?"""
+    return any(isinstance(v, str) and v for v in (_given(serve, n)[1] for n in ("ssl_keyfile", "ssl_certfile")))
+
+
+def files_read_when_serving(serve: dict[str, Any]) -> list[str]:
+    """The TLS files the spec names: read as root at every restore, so they are image dependencies
+    (a restore refuses them missing or changed before anything runs)."""
+    found = (_given(serve, name)[1] for name in SERVING_FILES)
+    return [value for value in found if isinstance(value, str) and value]
 
 
 def recaptures_graphs(tp: int, environ: dict[str, str] | None = None) -> bool:
@@ -468,6 +483,9 @@ def argument_refusals(args: argparse.Namespace, environ: dict[str, str] | None =
         refuse("api_server_count", "snapshots need exactly one API server process")
     if getattr(args, "uds", None):
         refuse("uds", "snapshots serve on host:port given at restore")
+    if getattr(args, "ssl_cert_reqs", 0) not in (None, 0):  # 0: ssl.CERT_NONE
+        refuse("ssl_cert_reqs", "the restore asks the server's /health before it reports it serving, and presents "
+                                "no client certificate (leave ssl_cert_reqs at 0)")
     for name in ("VLLM_USE_RUST_FRONTEND", "VLLM_USE_RUST_BENCH"):  # 0.32 starts it on either
         if env.get(name, "0") not in ("", "0"):
             refuse(name, "snapshots need the Python HTTP frontend")
