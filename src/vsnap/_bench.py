@@ -366,7 +366,7 @@ def run_bench(spec: ModelSpec, *, runs: int = 3, cold_runs: int | None = None, l
         from .engine.adapters.vllm_rules import serves_tls
 
         if serves_tls(dict(spec.serve)):
-            raise UnsupportedOption("serve.ssl_keyfile", "vsnap bench speaks plain HTTP to the servers it measures",
+            raise UnsupportedOption("serve.ssl_*", "vsnap bench speaks plain HTTP to the servers it measures",
                                     hint="bench a copy of the spec without serve.ssl_keyfile and serve.ssl_certfile")
     with timings.phase("preflight"):
         if out_dir is not None:

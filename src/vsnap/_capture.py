@@ -132,13 +132,11 @@ def wait_ready(tree: LaunchedTree, control_dir: Path, timeout_s: float) -> Ready
     return control.wait_until(probe, timeout_s=timeout_s, phase="boot engine", interval_s=0.05, log_path=log)
 
 
-def _dependencies(pids: list[int], model_dir: Path, control_dir: Path, serving: list[str]) -> list[Dependency]:
-    """Every host file the tree has mapped or open, the model's files (reloaded at recover) and
-    ``serving`` (read when the restored server starts), with size and sha256: what another host
-    must have, byte for byte, to restore this image."""
+def _dependencies(pids: list[int], model_dir: Path, control_dir: Path) -> list[Dependency]:
+    """Every host file the tree has mapped or open, and the model's files (reloaded at recover),
+    with size and sha256: what another host must have, byte for byte, to restore this image."""
     paths = {p for p in mapped_and_open_files(pids) if not p.startswith(str(control_dir) + "/")}
     paths |= {str(p) for p in model_dir.rglob("*") if p.is_file()}
-    paths |= set(serving)
     ordered = sorted(paths)
     statted_at = time.time_ns()
     before = {path: os.stat(path) for path in ordered}
@@ -286,7 +284,7 @@ def capture_image(spec: ModelSpec, *, image_dir: Path | None = None, force: bool
         with timings.phase("boot engine"):
             ready = wait_ready(tree, work, spec.snapshot.timeout_s)
         pids = tree_pids(tree.root_pid)
-        dependencies = _dependencies(pids, model_dir, control_dir, files_read_when_serving(spec))
+        dependencies = _dependencies(pids, model_dir, control_dir)
         with open(f"/proc/{tree.root_pid}/mountinfo") as f:
             externals = external_mounts(f.read())
         control_key = next((k for k, mountpoint in externals.items() if mountpoint == str(control_dir)), None)
@@ -401,15 +399,6 @@ def tensor_parallel_size(spec: ModelSpec) -> int:
     from .engine.adapters.vllm_rules import tensor_parallel_size as of_serve
 
     return max(of_serve(dict(spec.serve)), 1)
-
-
-def files_read_when_serving(spec: ModelSpec) -> list[str]:
-    """The files the restored server reads when it starts serving (vLLM's TLS files)."""
-    if spec.engine != "vllm":
-        return []
-    from .engine.adapters.vllm_rules import files_read_when_serving as of_serve
-
-    return of_serve(dict(spec.serve))
 
 
 def capture_gpu_uuids(tp: int = 1) -> list[str]:

@@ -161,9 +161,12 @@ class CriuRunner:
         try:
             self._run("restore", options.to_argv(), options.log_file, timeout_s, pass_fds=tuple(options.inherit_fds))
             try:
-                return int(options.pidfile.read_text().strip())
+                pid = int(options.pidfile.read_text().strip())
             except (OSError, ValueError):
-                raise CriuError("restore", 0, options.log_file, f"no pid in {options.pidfile}") from None
+                pid = 0
+            if pid <= 0:  # waitpid(0 or less) would reap any child
+                raise CriuError("restore", 0, options.log_file, f"no pid in {options.pidfile}")
+            return pid
         finally:
             options.pidfile.unlink(missing_ok=True)
 

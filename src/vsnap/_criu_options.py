@@ -77,7 +77,7 @@ class DumpOptions:
 @dataclass(frozen=True)
 class RestoreOptions:
     images_dir: Path
-    work_dir: Path  # logs, stats and pidfile go here: a restore never writes into the image
+    work_dir: Path  # logs and stats go here: a restore never writes into the image
     log_file: Path
     pidfile: Path
     externals: dict[str, str] = field(default_factory=dict)  # key -> mount point

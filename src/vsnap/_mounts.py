@@ -15,9 +15,9 @@ def mount_roots(mount_point: str | None = None) -> set[str]:
         if not entry.isdigit():
             continue
         try:
-            with open(f"/proc/{entry}/mountinfo") as f:
+            with open(f"/proc/{entry}/mountinfo", "rb") as f:  # paths are bytes: any user may mount "\xff"
                 for line in f:
-                    fields = line.split()
+                    fields = [os.fsdecode(field) for field in line.split()]
                     if len(fields) > 4 and (mount_point is None or fields[4] == mount_point):
                         roots.add(fields[3])
         except OSError:

@@ -89,7 +89,7 @@ def require_safe_directory(value: str, what: str) -> None:
 
 def _runtime_dir(value: str | None) -> tuple[Path, str | None]:
     """(the runtime directory, why VSNAP_RUNTIME_DIR=value is refused or None)."""
-    if value is None or value == str(DEFAULT_RUNTIME_DIR):
+    if value is None or (value.startswith("/") and os.path.normpath(value) == str(DEFAULT_RUNTIME_DIR)):
         return DEFAULT_RUNTIME_DIR, None
     try:
         refuse_system_path(absolute_clean(value, "VSNAP_RUNTIME_DIR"), "VSNAP_RUNTIME_DIR", "vsnap's records")

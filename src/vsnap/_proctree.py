@@ -75,12 +75,25 @@ def identify(pid: int) -> ProcessIdentity | None:
     return ProcessIdentity(pid, int(fields[19]), _boot_id())
 
 
-def identify_restored_root(pid: int) -> ProcessIdentity | None:
+def our_children() -> set[int]:
+    """This process's children, of every thread (an orphan handed to a subreaper goes to one of them)."""
+    children: set[int] = set()
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/children") as f:
+                children.update(int(pid) for pid in f.read().split())
+        except OSError:
+            continue
+    return children
+
+
+def identify_restored_root(pid: int, children_before: set[int]) -> ProcessIdentity | None:
     """The identity of ``pid`` if it is provably the tree CRIU just restored for this process: our
-    child (we are the subreaper the detached tree was handed to) and PID 1 of a PID namespace of
-    its own; else None. The PID comes from CRIU's pidfile, which the restored tree could rewrite."""
+    child (we are the subreaper the detached tree was handed to), not one of ``children_before``
+    (our_children() before CRIU ran), and PID 1 of a PID namespace of its own; else None. The PID
+    comes from CRIU's pidfile, which the restored tree could rewrite."""
     fields = _stat_fields(pid)
-    if fields is None or fields[0] in ("Z", "X") or fields[1] != str(os.getpid()):
+    if fields is None or fields[0] in ("Z", "X") or fields[1] != str(os.getpid()) or pid in children_before:
         return None
     if namespace_pids(pid)[1:] != [1]:  # host PID, then 1 inside the tree's namespace, and no deeper
         return None

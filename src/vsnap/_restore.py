@@ -37,11 +37,12 @@ from ._netns import NetnsHolder
 from ._instances import (InstanceRecord, ProcessRef, new_instance_dir, prune_dead_runs, register, request_stop,
                          running_instances, stop_requested, this_process, unregister)
 from ._proctree import (ProcessIdentity, alive, become_subreaper, identify_restored_root, in_tree_namespace, is_same,
-                        kill_tree, reap, tree_memory_bytes, tree_pids)
+                        kill_tree, our_children, reap, tree_memory_bytes, tree_pids)
 from ._shm import instance_shm_dir, put_back, remove_instance_shm, shm_dir_of
 from ._origin import manifest_sha256
 from ._paths import RUNTIME_DIR, require_safe_directory
-from ._trust import copy_no_follow, make_trusted_dirs, require_trusted_ancestors, require_trusted_tree
+from ._trust import (copy_no_follow, make_trusted_dirs, require_trusted_ancestors, require_trusted_file,
+                     require_trusted_tree)
 
 RESTORE_LOG = "restore.log"
 LAZY_PAGES_LOG = "lazy-pages.log"
@@ -100,14 +101,32 @@ def server_url(host: str, port: int, *, tls: bool = False) -> str:
     return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
+def _vllm_serve(manifest: Manifest) -> dict[str, Any] | None:
+    serve = manifest.spec.get("serve") if manifest.engine == "vllm" else None
+    return serve if isinstance(serve, dict) else None
+
+
 def serves_tls(manifest: Manifest) -> bool:
     """Does the image's server speak HTTPS (vLLM's serve.ssl_keyfile / ssl_certfile)?"""
-    if manifest.engine != "vllm":
+    serve = _vllm_serve(manifest)
+    if serve is None:
         return False
     from .engine.adapters.vllm_rules import serves_tls as of_serve
 
-    serve = manifest.spec.get("serve")
-    return of_serve(serve) if isinstance(serve, dict) else False
+    return of_serve(serve)
+
+
+def require_serving_files(manifest: Manifest) -> None:
+    """The files the restored server reads as root when it starts (vLLM's TLS files) are root's
+    alone and regular, as at capture (ImageUntrusted naming the file). Not their bytes: a renewed
+    certificate is what the server should read."""
+    serve = _vllm_serve(manifest)
+    if serve is None:
+        return
+    from .engine.adapters.vllm_rules import files_read_when_serving
+
+    for argument, path in files_read_when_serving(serve):
+        require_trusted_file(Path(path), f"the serve.{argument}")
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -370,6 +389,8 @@ def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000,
             control_dir = Path(manifest.control_dir)
             require_safe_directory(manifest.control_dir, "the manifest's control_dir")
             require_trusted_ancestors(control_dir)
+            if not standby:  # a standby reads them when it is activated
+                require_serving_files(manifest)
             clock.mark("trust_and_manifest")
             # Independent checks side by side (the GPU ones start the CUDA driver, which the CUDA
             # restore needs anyway); the first failure in this order is the one reported.
@@ -425,11 +446,12 @@ def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000,
                 lazy = runner.start_lazy_pages(LazyPagesOptions(
                     images_dir=image_dir / CRIU_DIR, work_dir=work, log_file=work / LAZY_PAGES_LOG))
                 cleanup.on_failure(lazy.kill)
+            children_before = our_children()  # the restored root must be a new one
             pid = runner.restore(RestoreOptions(
                 images_dir=image_dir / CRIU_DIR, work_dir=work, log_file=work / RESTORE_LOG,
                 pidfile=restore_pidfile(instance_id), externals=externals,
                 inherit_fds={int(netns.fd or -1): manifest.netns_key}, lazy_pages=lazy_pages))
-            identity = identify_restored_root(pid)  # our child and its namespace's PID 1, or not the tree
+            identity = identify_restored_root(pid, children_before)  # a new child, its namespace's PID 1
             if identity is None:
                 reap(pid)
                 raise EngineError("criu restore", "EngineExited", f"the restored tree (pid {pid}) exited at once, or "
@@ -548,6 +570,7 @@ def activate_instance(instance_id: str, *, host: str = "127.0.0.1", port: int = 
             if gpu is not None and not manifest.cuda_processes:
                 raise UnsupportedOption("--gpu", f"--gpu {_shown(gpu)}: {image_dir} holds no CUDA state "
                                                  f"(engine {manifest.engine}); there is no GPU to choose")
+            require_serving_files(manifest)
             clock.mark("trust_and_manifest")
             with ThreadPoolExecutor(max_workers=3) as pool:
                 checks = [pool.submit(clock.call, "files", verify_files, image_dir, manifest, cache_root=VERIFIED_DIR),

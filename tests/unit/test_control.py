@@ -111,7 +111,7 @@ def test_listener_handoff_passes_a_bound_socket(ctl: Path) -> None:
     thread = threading.Thread(target=lambda: received.append(control.receive_listener(server, 10)))
     thread.start()
     with socket.create_server(("127.0.0.1", 0)) as listener:
-        control.send_listener(ctl, listener)
+        control.send_listener(ctl, listener, peer_allowed=lambda pid: pid == os.getpid())  # the engine: here
         port = listener.getsockname()[1]
     thread.join(10)
     server.close()
@@ -152,15 +152,23 @@ def test_listener_handoff_never_follows_a_link_or_serves_another_process(ctl: Pa
     other.listen(1)
     os.symlink(tmp_path / "victim.sock", ctl / control.LISTENER)
     with socket.create_server(("127.0.0.1", 0)) as listener:
-        with pytest.raises(ControlProtocolError, match="not a socket"):
-            control.send_listener(ctl, listener)
+        anyone = lambda pid: True  # noqa: E731 - the checks before the peer's
+        with pytest.raises(ControlProtocolError, match="listen.sock: not a socket"):
+            control.send_listener(ctl, listener, anyone)
         os.unlink(ctl / control.LISTENER)
         (ctl / control.LISTENER).write_text("")
         with pytest.raises(ControlProtocolError, match="not a socket"):
-            control.send_listener(ctl, listener)
+            control.send_listener(ctl, listener, anyone)
         os.unlink(ctl / control.LISTENER)
         with pytest.raises(ControlProtocolError, match="cannot open it"):
-            control.send_listener(ctl, listener)
+            control.send_listener(ctl, listener, anyone)
+        unheard = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # bound, never listening
+        unheard.bind(str(ctl / control.LISTENER))
+        with pytest.raises(ControlProtocolError, match="the handoff failed: Connection refused") as info:
+            control.send_listener(ctl, listener, anyone)
+        assert "read its engine log" in info.value.hint
+        unheard.close()
+        os.unlink(ctl / control.LISTENER)
         server = control.open_handoff(ctl)  # a real socket, but the check on its listener says no
         seen: list[int] = []
         with pytest.raises(ControlProtocolError, match=rf"pid {os.getpid()}\) is not in the tree"):

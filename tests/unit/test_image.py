@@ -123,6 +123,7 @@ def test_server_urls_are_usable_ipv6_bracketed(host: str, url: str) -> None:
     from vsnap._restore import server_url
 
     assert server_url(host, 8000) == url
+    assert server_url(host, 8000, tls=True) == url.replace("http://", "https://")
 
 
 def test_only_vsnaps_own_leftovers_are_removed(tmp_path: Path) -> None:

@@ -212,3 +212,30 @@ def test_a_directory_a_live_tree_has_bound_is_never_pruned(tmp_path: Path, monke
     finally:
         tree.kill()
         tree.wait()
+
+
+def test_a_mount_path_that_is_not_utf8_does_not_stop_the_pruning() -> None:
+    """Review of hostile pass 10: any user may bind a directory named b"\\xff" in a namespace of
+    their own; reading mountinfo as UTF-8 text then raised UnicodeDecodeError in every restore."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    from vsnap._mounts import mount_roots
+
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("mounts in a namespace of its own: needs root and unshare")
+    with tempfile.TemporaryDirectory() as scratch:
+        odd = os.path.join(os.fsencode(scratch), b"\xff")
+        os.mkdir(odd)
+        tree = subprocess.Popen([b"unshare", b"--mount", b"--propagation", b"private", b"sh", b"-c",
+                                 b'mount --bind "$0" "$0" && echo bound && exec sleep 60', odd],
+                                stdout=subprocess.PIPE, text=True)
+        try:
+            assert tree.stdout is not None and tree.stdout.readline().strip() == "bound"
+            name = os.fsdecode(os.path.basename(odd))  # the root is relative to its filesystem's root
+            assert any(root.endswith(os.fsdecode(os.path.basename(os.fsencode(scratch))) + "/" + name)
+                       for root in mount_roots())
+        finally:
+            tree.kill()
+            tree.wait()

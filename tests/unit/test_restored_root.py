@@ -20,8 +20,9 @@ from vsnap._proctree import identify_restored_root, in_tree_namespace, namespace
 PROBE = r"""
 import json, os, signal, subprocess, sys, time
 sys.path[:0] = [os.environ["SRC"]]
-from vsnap._proctree import become_subreaper, identify_restored_root, in_tree_namespace, identify, namespace_pids
+from vsnap._proctree import become_subreaper, identify_restored_root, in_tree_namespace, identify, namespace_pids, our_children
 become_subreaper()
+before_launch = our_children()
 launcher = subprocess.Popen(["unshare", "--pid", "--fork", "sleep", "60"])
 deadline = time.monotonic() + 10
 while time.monotonic() < deadline:
@@ -30,16 +31,19 @@ while time.monotonic() < deadline:
         break
     time.sleep(0.01)
 init = children[0]
-before = identify_restored_root(init)  # unshare's child, not ours yet
+before = identify_restored_root(init, before_launch)  # unshare's child, not ours yet
 os.kill(launcher.pid, signal.SIGKILL)
 launcher.wait()
 deadline = time.monotonic() + 10
 while time.monotonic() < deadline and open(f"/proc/{init}/stat").read().rsplit(")", 1)[1].split()[1] != str(os.getpid()):
     time.sleep(0.01)
-after = identify_restored_root(init)
+after = identify_restored_root(init, before_launch)
+old_child = identify_restored_root(init, our_children())  # ours already before: not this restore's
 bystander = subprocess.Popen(["sleep", "60"])  # our child, but no namespace's first process
 print(json.dumps({"before": before is not None, "after": after is not None and after == identify(init),
-                  "bystander": identify_restored_root(bystander.pid) is not None, "pid1": identify_restored_root(1) is not None,
+                  "old_child": old_child is not None,
+                  "bystander": identify_restored_root(bystander.pid, set()) is not None,
+                  "pid1": identify_restored_root(1, set()) is not None,
                   "ns_of_init": after is not None and in_tree_namespace(init, after),
                   "ns_of_self": after is not None and in_tree_namespace(os.getpid(), after)}))
 bystander.kill(); os.kill(init, signal.SIGKILL); os.waitpid(init, 0); bystander.wait()
@@ -55,12 +59,12 @@ def test_only_our_child_that_is_a_namespaces_first_process_is_the_tree() -> None
     assert out.returncode == 0, out.stderr
     import json
 
-    assert json.loads(out.stdout) == {"before": False, "after": True, "bystander": False, "pid1": False,
-                                      "ns_of_init": True, "ns_of_self": False}
+    assert json.loads(out.stdout) == {"before": False, "after": True, "old_child": False, "bystander": False,
+                                      "pid1": False, "ns_of_init": True, "ns_of_self": False}
 
 
 def test_namespace_pids_of_a_process_outside_any_inner_namespace() -> None:
     assert namespace_pids(os.getpid())[0] == os.getpid()  # as /proc's namespace sees it: the outermost first
     assert namespace_pids(2**22 + 12345) == []  # no such process
-    assert identify_restored_root(2**22 + 12345) is None
+    assert identify_restored_root(2**22 + 12345, set()) is None
     assert not in_tree_namespace(os.getpid(), _proctree.ProcessIdentity(2**22 + 12345, 1, "x"))

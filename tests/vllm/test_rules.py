@@ -407,6 +407,10 @@ def test_inductor_passes_are_refused_before_vllm_imports_them(tiny_llama: Path, 
                                                       '"max_cudagraph_capture_size": 1k}'}, cuda=False)[0].startswith(
         "serve.compilation_config: is not a JSON object vsnap can check")
     assert not (tmp_path / "imported").exists()
+    # nested too deeply for json (RecursionError): refused in one line, not a traceback
+    deep = '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    assert refused(tiny_llama, {"compilation_config": deep}, cuda=False) == [
+        "serve.compilation_config: is JSON nested too deeply to check: give it as a flat mapping"]
 
 
 @pytest.mark.parametrize("serve,argument,path", [

@@ -1,13 +1,14 @@
 """A vLLM server that speaks HTTPS (serve.ssl_keyfile / ssl_certfile): captured, restored, its
 health checked over TLS by the restore, a completion over HTTPS verified against the server's own
-certificate; the TLS files are image dependencies (uvicorn reads them after every restore), so a
-changed key is refused before anything runs."""
+certificate. uvicorn reads the TLS files after every restore: a renewed certificate is served, and
+a key that is no longer root's alone is refused before anything runs."""
 
 from __future__ import annotations
 
 import datetime
 import ipaddress
 import json
+import os
 import ssl
 import urllib.error
 import urllib.request
@@ -16,14 +17,15 @@ from typing import Iterator
 
 import pytest
 
+from tests.conftest import engine_processes
 from tests.vllm_cpu.conftest import VllmImage, capture_tiny, kill_leftovers, run_vsnap
 
 pytestmark = pytest.mark.criu
 
 
 def self_signed(directory: Path) -> tuple[Path, Path]:
-    """A key and a certificate for 127.0.0.1, root's alone (the rules require it of what the root
-    engine reads)."""
+    """A key and a certificate for 127.0.0.1 in ``directory`` (made root's alone if new: the rules
+    require it of what the root engine reads); a second call renews them in place."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -39,7 +41,7 @@ def self_signed(directory: Path) -> tuple[Path, Path]:
                            critical=False)
             .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
             .sign(key, hashes.SHA256()))
-    directory.mkdir(mode=0o700)
+    directory.mkdir(mode=0o700, exist_ok=True)
     key_file, cert_file = directory / "key.pem", directory / "cert.pem"
     key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                            serialization.NoEncryption()))
@@ -58,15 +60,15 @@ def tls_image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmIm
     kill_leftovers(image)
 
 
-def test_a_tls_server_is_restored_and_answers_over_https(tls_image: tuple[VllmImage, Path, Path]) -> None:
-    image, key, cert = tls_image
-    assert {str(key), str(cert)} <= {d.path for d in image.manifest.dependencies}
+def complete_over_https(image: VllmImage, cert: Path) -> None:
+    """Restore, then one completion over HTTPS from a client that checks the server's certificate
+    against ``cert``; plain HTTP to the same port gets no answer."""
     restored = run_vsnap("restore", str(image.image), "--port", "0", "--detach", "--json")
     assert restored.returncode == 0, restored.stderr[-3000:]
     server = json.loads(restored.stdout)
     try:
         assert server["url"] == f"https://127.0.0.1:{server['port']}"
-        context = ssl.create_default_context(cafile=str(cert))  # the server's own certificate, checked
+        context = ssl.create_default_context(cafile=str(cert))
         with urllib.request.urlopen(f"{server['url']}/v1/models", timeout=60, context=context) as response:
             model = json.loads(response.read())["data"][0]["id"]
         body = json.dumps({"model": model, "prompt": "hello", "max_tokens": 2, "temperature": 0}).encode()
@@ -82,13 +84,26 @@ def test_a_tls_server_is_restored_and_answers_over_https(tls_image: tuple[VllmIm
     assert stopped.returncode == 0, stopped.stderr
 
 
-def test_a_changed_tls_key_is_refused_before_anything_runs(tls_image: tuple[VllmImage, Path, Path]) -> None:
+def test_a_tls_server_is_restored_and_answers_over_https(tls_image: tuple[VllmImage, Path, Path]) -> None:
     image, key, cert = tls_image
-    original = key.read_bytes()
+    assert not {str(key), str(cert)} & {d.path for d in image.manifest.dependencies}  # renewable: no sha256
+    complete_over_https(image, cert)
+
+
+def test_a_renewed_certificate_is_what_the_restored_server_serves(tls_image: tuple[VllmImage, Path, Path]) -> None:
+    image, key, cert = tls_image
+    self_signed(key.parent)  # a new key and certificate at the same paths
+    complete_over_https(image, cert)  # checked against the new certificate: the old one would fail
+
+
+def test_a_key_no_longer_roots_alone_is_refused_before_anything_runs(tls_image: tuple[VllmImage, Path, Path]) -> None:
+    image, key, _ = tls_image
+    os.chown(key, 65534, 65534)
     try:
-        key.write_bytes(self_signed(key.parent.parent / "other-tls")[0].read_bytes())
         refused = run_vsnap("restore", str(image.image), "--port", "0", "--detach", "--json")
-        assert refused.returncode == 4, refused.stdout[-2000:] + refused.stderr[-2000:]
-        assert f"file {key}" in refused.stdout + refused.stderr
+        output = refused.stdout + refused.stderr
+        assert refused.returncode == 4, output[-3000:]
+        assert "the serve.ssl_keyfile is owned by uid 65534" in output
+        assert engine_processes(image.control_dir) == []
     finally:
-        key.write_bytes(original)
+        os.chown(key, 0, 0)

@@ -402,31 +402,41 @@ def receive_listener(server: socket.socket, timeout_s: float) -> socket.socket:
         return take_listener(conn)
 
 
-def send_listener(directory: Path, listener: socket.socket, timeout_s: float = 30,
-                  peer_allowed: Callable[[int], bool] | None = None) -> None:
+def send_listener(directory: Path, listener: socket.socket, peer_allowed: Callable[[int], bool],
+                  timeout_s: float = 30) -> None:
     """Orchestrator side: pass the bound, listening TCP socket into the tree. directory/listen.sock
     is the tree's to write: it must be a socket itself (a link to another socket is not followed),
-    and with ``peer_allowed`` the process listening on it (its PID as this process sees it) must
-    pass that check."""
+    and the process listening on it (its PID as this process sees it) must pass ``peer_allowed``."""
+    path = directory / LISTENER
+
+    def refused(reason: str) -> ControlProtocolError:
+        error = ControlProtocolError(path, reason)
+        error.hint = "the restored tree did not offer its own socket: read its engine log; nothing was handed over"
+        return error
+
     dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
-        sock_fd = os.open(LISTENER, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-    except OSError as exc:
-        os.close(dir_fd)
-        raise ControlProtocolError(LISTENER, f"cannot open it: {exc.strerror}") from None
-    try:
-        if not stat.S_ISSOCK(os.fstat(sock_fd).st_mode):
-            raise ControlProtocolError(LISTENER, "not a socket (a link or another file is never followed)")
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-            conn.settimeout(timeout_s)
-            conn.connect(f"/proc/self/fd/{sock_fd}")  # the inode just checked, not the name again
-            peer_pid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                           struct.calcsize("3i")))[0]
-            if peer_allowed is not None and not peer_allowed(peer_pid):
-                raise ControlProtocolError(LISTENER, f"the process listening on it (pid {peer_pid}) is not in the tree")
-            socket.send_fds(conn, [b"listener"], [listener.fileno()])
+        try:
+            sock_fd = os.open(LISTENER, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        except OSError as exc:
+            raise refused(f"cannot open it: {exc.strerror}") from None
+        try:
+            if not stat.S_ISSOCK(os.fstat(sock_fd).st_mode):
+                raise refused("not a socket (a link or another file is never followed)")
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+                conn.settimeout(timeout_s)
+                try:
+                    conn.connect(f"/proc/self/fd/{sock_fd}")  # the inode just checked, not the name again
+                    peer_pid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                                   struct.calcsize("3i")))[0]
+                    if not peer_allowed(peer_pid):
+                        raise refused(f"the process listening on it (pid {peer_pid}) is not in the tree")
+                    socket.send_fds(conn, [b"listener"], [listener.fileno()])
+                except OSError as exc:  # refused, reset, timed out: the tree's socket, not the host's state
+                    raise refused(f"the handoff failed: {exc.strerror or type(exc).__name__}") from None
+        finally:
+            os.close(sock_fd)
     finally:
-        os.close(sock_fd)
         os.close(dir_fd)
 
 

@@ -144,11 +144,12 @@ def serves_tls(serve: dict[str, Any]) -> bool:
     return any(isinstance(v, str) and v for v in (_given(serve, n)[1] for n in ("ssl_keyfile", "ssl_certfile")))
 
 
-def files_read_when_serving(serve: dict[str, Any]) -> list[str]:
-    """The TLS files the spec names: read as root at every restore, so they are image dependencies
-    (a restore refuses them missing or changed before anything runs)."""
-    found = (_given(serve, name)[1] for name in SERVING_FILES)
-    return [value for value in found if isinstance(value, str) and value]
+def files_read_when_serving(serve: dict[str, Any]) -> list[tuple[str, str]]:
+    """(argument, path) of the TLS files the spec names: read as root when the restored server
+    starts, after every restore (a restore checks they are root's alone again; their bytes may
+    change: a renewed certificate is read as it is then)."""
+    found = ((name, _given(serve, name)[1]) for name in SERVING_FILES)
+    return [(name, value) for name, value in found if isinstance(value, str) and value]
 
 
 def recaptures_graphs(tp: int, environ: dict[str, str] | None = None) -> bool:
@@ -245,6 +246,8 @@ def _mapping(value: Any, config: bool) -> tuple[dict[str, Any] | None, str | Non
         mapping = json.loads(value, object_pairs_hook=pairs_hook)
     except ValueError as exc:  # a config dataclass may still read it: not unchecked; anything else: vLLM's error
         return None, (f"is not a JSON object vsnap can check ({exc}): give it as a mapping" if config else None)
+    except RecursionError:
+        return None, "is JSON nested too deeply to check: give it as a flat mapping"
     if twice:  # which one counts is the parser's choice: give each once
         return None, f"is a JSON object that gives {', '.join(sorted(twice))} twice"
     return mapping, None
@@ -483,9 +486,9 @@ def argument_refusals(args: argparse.Namespace, environ: dict[str, str] | None =
         refuse("api_server_count", "snapshots need exactly one API server process")
     if getattr(args, "uds", None):
         refuse("uds", "snapshots serve on host:port given at restore")
-    if getattr(args, "ssl_cert_reqs", 0) not in (None, 0):  # 0: ssl.CERT_NONE
+    if getattr(args, "ssl_cert_reqs", 0) not in (None, 0, 1):  # ssl.CERT_NONE, CERT_OPTIONAL
         refuse("ssl_cert_reqs", "the restore asks the server's /health before it reports it serving, and presents "
-                                "no client certificate (leave ssl_cert_reqs at 0)")
+                                "no client certificate (ssl_cert_reqs must be 0 or 1)")
     for name in ("VLLM_USE_RUST_FRONTEND", "VLLM_USE_RUST_BENCH"):  # 0.32 starts it on either
         if env.get(name, "0") not in ("", "0"):
             refuse(name, "snapshots need the Python HTTP frontend")
