@@ -363,7 +363,7 @@ def run_bench(spec: ModelSpec, *, runs: int = 3, cold_runs: int | None = None, l
               on_event: ProgressCallback | None = None) -> dict[str, Any]:
     timings = Timings(on_event)
     if spec.engine == "vllm":
-        from .engine.adapters.vllm_rules import serves_tls
+        from .engine.adapters.vllm_serve_args import serves_tls
 
         if serves_tls(dict(spec.serve)):
             raise UnsupportedOption("serve.ssl_*", "vsnap bench speaks plain HTTP to the servers it measures",

@@ -111,7 +111,7 @@ def serves_tls(manifest: Manifest) -> bool:
     serve = _vllm_serve(manifest)
     if serve is None:
         return False
-    from .engine.adapters.vllm_rules import serves_tls as of_serve
+    from .engine.adapters.vllm_serve_args import serves_tls as of_serve
 
     return of_serve(serve)
 
@@ -123,7 +123,7 @@ def require_serving_files(manifest: Manifest) -> None:
     serve = _vllm_serve(manifest)
     if serve is None:
         return
-    from .engine.adapters.vllm_rules import files_read_when_serving
+    from .engine.adapters.vllm_serve_args import files_read_when_serving
 
     for argument, path in files_read_when_serving(serve):
         require_trusted_file(Path(path), f"the serve.{argument}")

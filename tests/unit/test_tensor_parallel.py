@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from vsnap.engine.adapters import vllm_rules, vllm_tp
+from vsnap.engine.adapters import vllm_rules, vllm_serve_args, vllm_tp
 
 
 # --- the worker side (vllm_tp) ------------------------------------------------------------------
@@ -389,9 +389,9 @@ def test_an_inherited_cuda_visible_devices_records_the_gpus_the_ranks_see(monkey
 def test_the_tls_files_are_what_the_restored_server_reads() -> None:
     """A restore checks them again (uvicorn reads them as root after every restore): both spellings
     of the key, nothing that is not a path; TLS is on with either file."""
-    assert vllm_rules.files_read_when_serving({"ssl_keyfile": "/k.pem", "ssl-certfile": "/c.pem",
+    assert vllm_serve_args.files_read_when_serving({"ssl_keyfile": "/k.pem", "ssl-certfile": "/c.pem",
                                                "ssl_ca_certs": "", "port": 1}) == [("ssl_keyfile", "/k.pem"),
                                                                                   ("ssl_certfile", "/c.pem")]
-    assert vllm_rules.files_read_when_serving({"ssl_keyfile": 5, "tokenizer": "/t"}) == []
-    assert vllm_rules.serves_tls({"ssl-certfile": "/c.pem"}) and vllm_rules.serves_tls({"ssl_keyfile": "/k"})
-    assert not vllm_rules.serves_tls({"ssl_ca_certs": "/ca.pem", "ssl_keyfile": ""})
+    assert vllm_serve_args.files_read_when_serving({"ssl_keyfile": 5, "tokenizer": "/t"}) == []
+    assert vllm_serve_args.serves_tls({"ssl-certfile": "/c.pem"}) and vllm_serve_args.serves_tls({"ssl_keyfile": "/k"})
+    assert not vllm_serve_args.serves_tls({"ssl_ca_certs": "/ca.pem", "ssl_keyfile": ""})

@@ -42,6 +42,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from .vllm_serve_args import given as _given
+
 
 @dataclass(frozen=True)
 class Refusal:
@@ -133,23 +135,6 @@ def tensor_parallel_size(serve: dict[str, Any]) -> int:
     if isinstance(value, str) and value.strip().isdigit():
         return int(value.strip())
     return 1
-
-
-# the files uvicorn reads when the restored server starts (after the restore, not at boot)
-SERVING_FILES = ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs")
-
-
-def serves_tls(serve: dict[str, Any]) -> bool:
-    """Does the server speak HTTPS (uvicorn turns TLS on with a key file or a certificate file)?"""
-    return any(isinstance(v, str) and v for v in (_given(serve, n)[1] for n in ("ssl_keyfile", "ssl_certfile")))
-
-
-def files_read_when_serving(serve: dict[str, Any]) -> list[tuple[str, str]]:
-    """(argument, path) of the TLS files the spec names: read as root when the restored server
-    starts, after every restore (a restore checks they are root's alone again; their bytes may
-    change: a renewed certificate is read as it is then)."""
-    found = ((name, _given(serve, name)[1]) for name in SERVING_FILES)
-    return [(name, value) for name, value in found if isinstance(value, str) and value]
 
 
 def recaptures_graphs(tp: int, environ: dict[str, str] | None = None) -> bool:
@@ -420,14 +405,6 @@ def parse_serve_args(model: str, serve: dict[str, Any], *, cuda: bool = True,
     if not cuda and getattr(args, "kv_cache_memory_bytes", None) is None and not env.get("VLLM_CPU_KVCACHE_SPACE"):
         args.kv_cache_memory_bytes = CPU_KV_CACHE_BYTES
     return args, []
-
-
-def _given(serve: dict[str, Any], name: str) -> tuple[bool, Any]:
-    """(given, value) of a serve argument as the spec wrote it (``-`` or ``_`` in its key)."""
-    for key in (name, name.replace("_", "-")):
-        if key in serve:
-            return True, serve[key]
-    return False, None
 
 
 def tensor_parallel_settings(args: argparse.Namespace, serve: dict[str, Any], *, cuda: bool) -> list[Refusal]:
