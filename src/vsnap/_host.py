@@ -66,6 +66,32 @@ def check_criu() -> str:
     return f"criu {version} at {runner.binary}; criu check passed"
 
 
+def check_criu_this_boot(cache_root: Path | None = None) -> str:
+    """check_criu, asked once per boot: `criu check` (0.04 to 0.07 s of every restore's verify
+    phase) asks the kernel for features that do not change while it runs. The verdict is kept in
+    ``cache_root`` (the restore's verified/ records) under the boot id, the kernel release and the
+    CRIU binary's identity (device, inode, size, mtime, ctime; root's, not writable by others: else
+    it is never kept), and asked again when any of them differs. `vsnap validate` and a capture
+    always ask CRIU."""
+    from ._proctree import boot_id
+
+    root = verified.VERIFIED_DIR if cache_root is None else cache_root
+    runner = CriuRunner.locate()
+    try:
+        binary = verified.identity(os.stat(runner.binary))
+    except OSError:
+        binary = None
+    key = [boot_id(), platform.release(), str(runner.binary), *(binary or [])]
+    if binary is not None and key[0]:
+        remembered = verified.host_check_passed("criu", key, root)
+        if remembered is not None:
+            return remembered
+    verdict = check_criu()
+    if binary is not None and key[0]:
+        verified.remember_host_check("criu", key, verdict, root)
+    return verdict
+
+
 def check_unshare() -> str:
     return f"unshare at {find_unshare()}"
 
@@ -278,15 +304,16 @@ def current_facts(manifest: Manifest) -> HostFacts:
         criu = ".".join(map(str, CriuRunner.locate().version()))
     except VsnapError:
         criu = ""
+    packages, torch = engine_packages(manifest.engine), package_version("torch")
+    vllm = vllm_version() if manifest.engine == "vllm" else None
     driver, cuda, gpus = None, None, []
-    if manifest.engine == "vllm" and manifest.cuda_processes:
+    if manifest.engine == "vllm" and manifest.cuda_processes:  # last: see host_differences
         from ._cuda import gpu_facts
 
         driver, cuda, gpus = gpu_facts()
     return HostFacts(hostname=socket.gethostname(), kernel=platform.release(), arch=platform.machine(), criu=criu,
-                     python=platform.python_version(), torch=package_version("torch"),
-                     vllm=vllm_version() if manifest.engine == "vllm" else None, vsnap=vsnap_version(),
-                     driver=driver, cuda=cuda, gpus=gpus, packages=engine_packages(manifest.engine))
+                     python=platform.python_version(), torch=torch, vllm=vllm, vsnap=vsnap_version(),
+                     driver=driver, cuda=cuda, gpus=gpus, packages=packages)
 
 
 def dependency_mismatches(dependencies: list[Dependency], *, hash_files: bool, cache_root: Path | None = None,
@@ -351,6 +378,11 @@ def host_differences(manifest: Manifest, current: HostFacts | None = None, *, ha
     """Every recorded fact of ``manifest`` that differs on this host (``current``: its facts, by
     default read now), fatal ones first, then warnings; each dependency file that is missing or
     changed is a fatal difference of its own (see dependency_mismatches)."""
+    # the files first: a restore checks the GPU in another thread at the same time (choose_gpus),
+    # and the CUDA driver's start (cuInit, ~0.07 s) is then done by the time current_facts asks
+    files = [HostDifference(fact, recorded, now, True, WHY_FILE) for fact, recorded, now in
+             dependency_mismatches(manifest.dependencies, hash_files=hash_files, cache_root=cache_root,
+                                   rehash=rehash)]
     current = current or current_facts(manifest)
     cuda = manifest.engine == "vllm" and bool(manifest.cuda_processes)
     differences = compare_facts(manifest.host, current, engine=manifest.engine, cuda=cuda)
@@ -359,10 +391,7 @@ def host_differences(manifest: Manifest, current: HostFacts | None = None, *, ha
     if cuda and model is not None and 0 < have < manifest.tensor_parallel_size:
         differences.append(HostDifference("GPU count", f"{manifest.tensor_parallel_size} x {model}",
                                           f"{have} x {model}", True, WHY_GPU_COUNT))
-    differences += [HostDifference(fact, recorded, now, True, WHY_FILE) for fact, recorded, now in
-                    dependency_mismatches(manifest.dependencies, hash_files=hash_files, cache_root=cache_root,
-                                          rehash=rehash)]
-    return sorted(differences, key=lambda d: not d.fatal)
+    return sorted(differences + files, key=lambda d: not d.fatal)
 
 
 def host_mismatches(manifest: Manifest, *, hash_files: bool = False) -> list[tuple[str, str, str]]:

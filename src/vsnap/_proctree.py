@@ -48,8 +48,9 @@ class ProcessIdentity:
 _boot_ids: list[str] = []  # this boot's id, once read: it cannot change while this process runs
 
 
-def _boot_id() -> str:
-    """This boot's id, read once (identify runs in every wait loop that watches a tree)."""
+def boot_id() -> str:
+    """This boot's id ("" if the kernel does not say), read once (identify runs in every wait loop
+    that watches a tree)."""
     if not _boot_ids:
         try:
             _boot_ids.append(BOOT_ID.read_text().strip())
@@ -72,7 +73,7 @@ def identify(pid: int) -> ProcessIdentity | None:
     fields = _stat_fields(pid)
     if fields is None or fields[0] in ("Z", "X"):
         return None
-    return ProcessIdentity(pid, int(fields[19]), _boot_id())
+    return ProcessIdentity(pid, int(fields[19]), boot_id())
 
 
 def our_children() -> set[int]:
@@ -97,7 +98,7 @@ def identify_restored_root(pid: int, children_before: set[int]) -> ProcessIdenti
         return None
     if namespace_pids(pid)[1:] != [1]:  # host PID, then 1 inside the tree's namespace, and no deeper
         return None
-    return ProcessIdentity(pid, int(fields[19]), _boot_id())  # our child: its PID is ours until we reap it
+    return ProcessIdentity(pid, int(fields[19]), boot_id())  # our child: its PID is ours until we reap it
 
 
 def namespace_pids(pid: int) -> list[int]:

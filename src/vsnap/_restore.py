@@ -28,7 +28,7 @@ from .protocol.errors import (CheckpointError, EngineError, HostNotReady, ImageC
                               NothingRunning, OracleMismatch, ProcessTreeError, UnknownInstance, UnsupportedOption,
                               VsnapError)
 from ._events import ProgressCallback, Timings
-from ._host import HostDifference, check_criu, check_root, require_host_matches
+from ._host import HostDifference, check_criu_this_boot, check_root, require_host_matches
 from ._cleanup import Cleanup
 from ._image import held_lock, image_read_lock, verify_files
 from ._manifest import CRIU_DIR, ENGINE_LOG, SHM_DIR, TREE_DIRS, WEIGHTS_DIR, Manifest, read_manifest
@@ -398,7 +398,7 @@ def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000,
                 hashing = pool.submit(clock.call, "files", verify_files, image_dir, manifest, cache_root=VERIFIED_DIR,
                                       rehash=rehash)
                 host_fit = pool.submit(clock.call, "host", require_host_matches, manifest, cache_root=VERIFIED_DIR)
-                checks = [pool.submit(clock.call, "criu", check_criu), hashing, host_fit]
+                checks = [pool.submit(clock.call, "criu", check_criu_this_boot, VERIFIED_DIR), hashing, host_fit]
                 if not standby:  # a standby binds no port and takes no GPU until it is activated
                     checks.append(pool.submit(clock.call, "port", check_port_free, host, port))
                 if lazy_pages:

@@ -182,3 +182,35 @@ def remember_dependencies(digests: dict[str, tuple[os.stat_result, str]], root: 
             continue
         files[path] = {"identity": ident, "sha256": digest}
     _write_record(root, DEPENDENCIES, {"files": files})
+
+
+# Host checks whose verdict cannot change while the kernel runs (`criu check`), by name: the
+# verdict and the key it holds for (the boot, the kernel, the checked binary's identity).
+HOST_CHECKS = "host-checks.json"
+
+
+def host_check_passed(name: str, key: list, root: Path = VERIFIED_DIR) -> str | None:
+    """The verdict of check ``name`` remembered for ``key``, or None (never checked, another key,
+    or a record someone else could have written)."""
+    record = root / HOST_CHECKS
+    try:
+        if not (_private(root) and _private(record)):
+            return None
+        data = json.loads(record.read_text())
+    except (OSError, ValueError, RecursionError):
+        return None
+    entry = data.get(name) if isinstance(data, dict) else None
+    if not isinstance(entry, dict) or entry.get("key") != key or not isinstance(entry.get("verdict"), str):
+        return None
+    return entry["verdict"]
+
+
+def remember_host_check(name: str, key: list, verdict: str, root: Path = VERIFIED_DIR) -> None:
+    record = root / HOST_CHECKS
+    try:
+        data = json.loads(record.read_text()) if _private(root) and _private(record) else {}
+    except (OSError, ValueError, RecursionError):
+        data = {}
+    data = data if isinstance(data, dict) else {}
+    data[name] = {"key": key, "verdict": verdict}
+    _write_record(root, HOST_CHECKS, data)

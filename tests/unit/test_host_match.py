@@ -231,3 +231,37 @@ def test_a_tensor_parallel_image_needs_a_gpu_of_its_model_per_rank() -> None:
     one = manifest(engine="vllm", cuda_processes=2, host=host_facts(driver="580", cuda="13.0", gpus=[GPU],
                                                                     vllm="0.26.0"))
     assert lines(host_differences(one, here.model_copy(update={"gpus": [GPU]}))) == []  # one rank: as before
+
+
+def test_criu_check_is_asked_once_per_boot_and_binary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`criu check` was 0.04 to 0.07 s of every restore's verify phase; its verdict is kept for the
+    boot, the kernel and the binary it was asked of, and only in a directory of root's alone."""
+    from vsnap import _host, _proctree
+    from vsnap._criu import CriuRunner
+
+    binary = tmp_path / "criu"
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(0o755)
+    monkeypatch.setattr(CriuRunner, "locate", classmethod(lambda cls: cls(binary)))
+    asked: list[int] = []
+    monkeypatch.setattr(_host, "check_criu", lambda: asked.append(1) or f"criu check passed ({len(asked)})")
+    cache = tmp_path / "verified"
+    assert _host.check_criu_this_boot(cache) == "criu check passed (1)"
+    assert _host.check_criu_this_boot(cache) == "criu check passed (1)" and len(asked) == 1
+    binary.write_text("#!/bin/sh\n# another build\n")  # a new CRIU: asked again
+    assert _host.check_criu_this_boot(cache) == "criu check passed (2)"
+    monkeypatch.setattr(_proctree, "_boot_ids", ["another-boot"])  # a reboot: asked again
+    assert _host.check_criu_this_boot(cache) == "criu check passed (3)"
+    assert _host.check_criu_this_boot(cache) == "criu check passed (3)"
+    os.chmod(cache, 0o777)  # a record others could have written is no record
+    assert _host.check_criu_this_boot(cache) == "criu check passed (4)"
+    os.chmod(cache, 0o700)
+    binary.chmod(0o777)  # a binary anyone may replace: never remembered
+    assert _host.check_criu_this_boot(cache) == "criu check passed (5)"
+    assert _host.check_criu_this_boot(cache) == "criu check passed (6)"
+    monkeypatch.setattr(_host, "check_criu", lambda: (_ for _ in ()).throw(_host.HostNotReady("criu", "failed")))
+    binary.chmod(0o755)
+    with pytest.raises(_host.HostNotReady):  # a failure is never remembered
+        _host.check_criu_this_boot(tmp_path / "other")
+    with pytest.raises(_host.HostNotReady):
+        _host.check_criu_this_boot(tmp_path / "other")
