@@ -54,7 +54,7 @@ from ._instances import new_instance_dir
 from ._manifest import ENGINE_LOG, WEIGHTS_DIR
 from ._proctree import launch_tree
 from ._instances import running_instances
-from ._restore import _wait_status, hand_over_listener, stop_server
+from ._restore import _wait_status, handed_over_listener, stop_server
 from ._shm import instance_shm_dir, remove_instance_shm
 from ._spec import ModelSpec
 from ._trust import copy_no_follow, make_trusted_dirs
@@ -240,10 +240,11 @@ def cold_start(spec: ModelSpec, env_extra: dict[str, str],
         tree = launch_tree(control_dir, work, shm, env)
         cleanup.on_exit(end_launched_tree, tree)
         _wait_status(work, tree.identity, ("validated",), "boot engine", log)
-        url = f"http://127.0.0.1:{hand_over_listener(work, tree.identity, '127.0.0.1', 0, log)}"
-        first_token(url, spec.served_model_name)
-        seconds = time.monotonic() - start
-        return ColdStart(seconds, while_up(url) if while_up is not None else [], instance_id)
+        with handed_over_listener(work, tree.identity, "127.0.0.1", 0, log) as port:
+            url = f"http://127.0.0.1:{port}"
+            first_token(url, spec.served_model_name)
+            seconds = time.monotonic() - start
+            return ColdStart(seconds, while_up(url) if while_up is not None else [], instance_id)
 
 
 def keep_evidence(error: BaseException, dirs: BenchDirs, out_dir: Path | None, stem: str) -> None:

@@ -36,7 +36,7 @@ from ._proctree import (LaunchedTree, is_same, kill_tree, launch_tree, mapped_an
 from ._trust import copy_no_follow, make_trusted_dirs, require_trusted_ancestors, require_trusted_model
 from ._netns import NETNS_KEY, netns_inode
 from ._shm import SHM, instance_shm_dir, remove_instance_shm, tree_shm_files
-from ._paths import require_safe_directory
+from ._paths import require_runtime_dir, require_safe_directory
 from ._spec import ModelSpec
 
 DEFAULT_MODEL_ROOT = Path("/var/lib/vsnap/models")
@@ -238,6 +238,7 @@ def capture_image(spec: ModelSpec, *, image_dir: Path | None = None, force: bool
     control_dir = spec.control_dir
     timings = Timings(on_event)
     with timings.phase("preflight"):
+        require_runtime_dir()
         require_safe_directory(str(image_dir), "the image")
         require_host(spec.engine)
         runner = CriuRunner.locate()

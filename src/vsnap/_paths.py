@@ -89,13 +89,13 @@ def require_safe_directory(value: str, what: str) -> None:
 
 def _runtime_dir(value: str | None) -> tuple[Path, str | None]:
     """(the runtime directory, why VSNAP_RUNTIME_DIR=value is refused or None)."""
-    if value is None or (value.startswith("/") and os.path.normpath(value) == str(DEFAULT_RUNTIME_DIR)):
-        return DEFAULT_RUNTIME_DIR, None
+    if value is None or (value.startswith("/") and "/" + os.path.normpath(value).lstrip("/") == str(DEFAULT_RUNTIME_DIR)):
+        return DEFAULT_RUNTIME_DIR, None  # the default, however spelled (/run/vsnap/, //run/vsnap)
     try:
         refuse_system_path(absolute_clean(value, "VSNAP_RUNTIME_DIR"), "VSNAP_RUNTIME_DIR", "vsnap's records")
     except ValueError as exc:
         return DEFAULT_RUNTIME_DIR, str(exc)
-    return Path(os.path.normpath(value)), None
+    return Path("/" + os.path.normpath(value).lstrip("/")), None
 
 
 RUNTIME_DIR, RUNTIME_DIR_PROBLEM = _runtime_dir(os.environ.get("VSNAP_RUNTIME_DIR"))

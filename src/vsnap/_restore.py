@@ -40,7 +40,7 @@ from ._proctree import (ProcessIdentity, alive, become_subreaper, identify_resto
                         kill_tree, our_children, reap, tree_memory_bytes, tree_pids)
 from ._shm import instance_shm_dir, put_back, remove_instance_shm, shm_dir_of
 from ._origin import manifest_sha256
-from ._paths import RUNTIME_DIR, require_safe_directory
+from ._paths import RUNTIME_DIR, require_runtime_dir, require_safe_directory
 from ._trust import (copy_no_follow, make_trusted_dirs, require_trusted_ancestors, require_trusted_file,
                      require_trusted_tree)
 
@@ -178,14 +178,27 @@ def bind_listener(host: str, port: int) -> socket.socket:
     return sock
 
 
-def hand_over_listener(work: Path, tree: ProcessIdentity, host: str, port: int, log: Path) -> int:
-    """Bind host:port here, pass the socket into the validated tree, wait until it serves; return
-    the port bound (the one asked for, or the one the kernel chose for 0: never what the tree says)."""
+@contextmanager
+def handed_over_listener(work: Path, tree: ProcessIdentity, host: str, port: int, log: Path) -> Iterator[int]:
+    """Bind host:port here, pass the socket into the validated tree, wait until it says it serves;
+    yield the port bound (the one asked for, or the one the kernel chose for 0: never what the tree
+    says). vsnap's own copy of the socket stays open until the block ends: if the tree drops its
+    copy (uvicorn failing on its TLS files, say), the port stays bound, and no one else's server
+    can answer the health check in the tree's place."""
     with bind_listener(host, port) as listener:
-        bound = int(listener.getsockname()[1])
         control.send_listener(work, listener, peer_allowed=lambda pid: in_tree_namespace(pid, tree))
-    _wait_status(work, tree, ("serving",), "serve", log)
-    return bound
+        _wait_status(work, tree, ("serving",), "serve", log)
+        yield int(listener.getsockname()[1])
+
+
+def tree_failure(work: Path, tree: ProcessIdentity, log: Path) -> EngineError | None:
+    """Why the tree can no longer be serving: the error it reported, or that it is gone; None if neither."""
+    report = control.read_message(work, control.ERROR, ErrorReport)
+    if report is not None:
+        return _engine_failure(report, log)
+    if not is_same(tree):
+        return EngineError("serve", "EngineExited", "the restored engine exited before /health answered", log_path=log)
+    return None
 
 
 def restore_pidfile(instance_id: str) -> Path:
@@ -195,8 +208,10 @@ def restore_pidfile(instance_id: str) -> Path:
     return control.ensure_private_dir(make_trusted_dirs(PIDFILE_DIR)) / f"{instance_id}.pid"
 
 
-def health_check(url: str, timeout_s: float = 30) -> None:
-    """GET ``url``/health until it answers 200 (EngineError HealthCheckFailed after ``timeout_s``).
+def health_check(url: str, timeout_s: float = 30, stop: Callable[[], BaseException | None] | None = None) -> None:
+    """GET ``url``/health until it answers 200 (EngineError HealthCheckFailed after ``timeout_s``,
+    a deadline no server can stretch by answering slowly); between attempts ``stop`` may name a
+    reason to give up (the tree's error, the tree gone), which is raised.
 
     One request line over a plain socket, not urllib: urllib.request (with http.client, email and
     ssl) was 12 to 19 ms of every restore's start, and its getaddrinfo of the host imported the
@@ -209,19 +224,30 @@ def health_check(url: str, timeout_s: float = 30) -> None:
     deadline = time.monotonic() + timeout_s
     last = ""
     while time.monotonic() < deadline:
-        answer = _get_health(host, port, timeout_s=5, tls=tls)
+        answer = _get_health(host, port, deadline=min(deadline, time.monotonic() + 5), tls=tls)
         if answer is None:
             return
         last = answer
+        reason = stop() if stop is not None else None
+        if reason is not None:
+            raise reason
         time.sleep(0.02)
     raise EngineError("serve", "HealthCheckFailed", f"{url}/health did not answer 200 ({last})")
 
 
-def _get_health(host: str, port: int, timeout_s: float, *, tls: bool = False) -> str | None:
-    """One GET /health: None if it answered 200, else what it did (in urllib's words). Over TLS
-    the certificate is not checked: this asks the tree vsnap restored, on the socket vsnap bound,
-    whether it serves; what a client trusts is the client's to check."""
+def _get_health(host: str, port: int, deadline: float, *, tls: bool = False) -> str | None:
+    """One GET /health, given up at ``deadline`` (time.monotonic()): None if it answered 200, else
+    what it did (in urllib's words). Over TLS the certificate is not checked: this asks the tree
+    vsnap restored, on the socket vsnap still holds, whether it serves; what a client trusts is
+    the client's to check."""
     netloc = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    def left() -> float:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("timed out")
+        return remaining
+
     try:
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     except OSError as exc:
@@ -234,15 +260,23 @@ def _get_health(host: str, port: int, timeout_s: float, *, tls: bool = False) ->
         context.verify_mode = ssl.CERT_NONE
         sock = context.wrap_socket(sock, server_hostname=host, do_handshake_on_connect=True)
     with sock:
-        sock.settimeout(timeout_s)
         try:
+            sock.settimeout(left())
             sock.connect((host, port))
+            sock.settimeout(left())
             sock.sendall(f"GET /health HTTP/1.1\r\nHost: {netloc}\r\nConnection: close\r\n\r\n".encode())
         except OSError as exc:
             return f"<urlopen error {exc}>"
+        status_line = b""
         try:
-            with sock.makefile("rb") as response:
-                status_line = response.readline(65537)
+            while not status_line.endswith(b"\n") and len(status_line) < 65537:
+                sock.settimeout(left())  # per read, against the one deadline: a trickle cannot stretch it
+                chunk = sock.recv(min(4096, 65537 - len(status_line)))
+                if not chunk:
+                    break
+                status_line += chunk
+                if b"\n" in status_line:
+                    status_line = status_line[:status_line.index(b"\n") + 1]
         except OSError as exc:
             return str(exc)
     if not status_line:
@@ -380,6 +414,7 @@ def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000,
         clock = CheckClock()
         with timings.phase("verify image"):
             check_root()
+            require_runtime_dir()  # the records and caches it writes (the CLI checked it too)
             require_trusted_tree(image_dir)  # before a byte of the image is read (verify_files walks it again)
             reading.enter_context(image_read_lock(image_dir))
             manifest = read_manifest(image_dir)
@@ -505,13 +540,16 @@ def _bring_up(tree: _Tree, host: str, port: int, targets: list[dict] | None, tim
     _check_stop(work)
     with timings.phase("serve"):
         started = time.monotonic()
-        bound = hand_over_listener(work, identity, host, port, engine_log)
-        handed_over = time.monotonic()
-        server = RestoredServer(identity.pid, host, bound, tree.image_dir,
-                                tree.record.id, work, gpu=",".join(t["uuid"] for t in targets) if targets else None,
-                                identity=identity, tls=serves_tls(tree.manifest))
-        health_check(server.url)
+        with handed_over_listener(work, identity, host, port, engine_log) as bound:
+            handed_over = time.monotonic()
+            server = RestoredServer(identity.pid, host, bound, tree.image_dir, tree.record.id, work,
+                                    gpu=",".join(t["uuid"] for t in targets) if targets else None,
+                                    identity=identity, tls=serves_tls(tree.manifest))
+            health_check(server.url, stop=lambda: tree_failure(work, identity, engine_log))
         serve_split = {"socket_handoff_s": handed_over - started, "http_start_s": time.monotonic() - handed_over}
+        failure = tree_failure(work, identity, engine_log)  # it answered; is it still the tree, serving?
+        if failure is not None:
+            raise failure
     _check_stop(work)
     register(tree.record.model_copy(update={"state": "serving", "url": server.url, "port": server.port,
                                             "gpu": server.gpu, "activator": None}))
@@ -554,6 +592,7 @@ def activate_instance(instance_id: str, *, host: str = "127.0.0.1", port: int = 
     with Cleanup() as cleanup, ExitStack() as held, ExitStack() as reading:
         with timings.phase("verify image"):
             check_root()
+            require_runtime_dir()
             record = standby_record(instance_id)
             if record.tree is None or Path(record.instance_dir).name != record.id:
                 raise ProcessTreeError(None, f"the record of {record.id} names no tree, or another directory",

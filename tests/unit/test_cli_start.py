@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -70,7 +71,7 @@ def test_health_check_reports_other_answers_as_urllib_did(server: http.server.HT
     server.RequestHandlerClass.status = status  # type: ignore[attr-defined]
     url = _url(server)
     port = server.server_address[1]
-    assert _restore._get_health("127.0.0.1", port, timeout_s=5) == _urllib_says(url)
+    assert _restore._get_health("127.0.0.1", port, deadline=time.monotonic() + 5) == _urllib_says(url)
     with pytest.raises(EngineError, match="did not answer 200") as raised:
         _restore.health_check(url, timeout_s=0.1)
     assert f"({_urllib_says(url)})" in raised.value.message
@@ -81,8 +82,42 @@ def test_health_check_reports_a_refused_connection_as_urllib_did() -> None:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     url = _restore.server_url("127.0.0.1", port)
-    assert _restore._get_health("127.0.0.1", port, timeout_s=5) == _urllib_says(url)
+    assert _restore._get_health("127.0.0.1", port, deadline=time.monotonic() + 5) == _urllib_says(url)
     assert _urllib_says(url) == "<urlopen error [Errno 111] Connection refused>"
+
+
+def test_a_server_that_answers_one_byte_at_a_time_cannot_stretch_the_deadline() -> None:
+    """Hostile pass 11: the 5 s timeout held per read, so a server (the restored tree, or whoever
+    held the port) sending a byte every 4 s kept `vsnap restore` waiting for ever."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def trickle() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            while not stop.wait(0.2):
+                try:
+                    conn.sendall(b"H")
+                except OSError:
+                    return
+
+    thread = threading.Thread(target=trickle, daemon=True)
+    thread.start()
+    started = time.monotonic()
+    with pytest.raises(EngineError, match="did not answer 200 .*timed out"):
+        _restore.health_check(f"http://127.0.0.1:{listener.getsockname()[1]}", timeout_s=1)
+    assert time.monotonic() - started < 3  # one deadline, not one per byte
+    stop.set()
+    listener.close()
+
+
+def test_the_health_check_gives_up_when_the_tree_is_gone() -> None:
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]
+    gone = EngineError("serve", "EngineExited", "the restored engine exited before /health answered")
+    with pytest.raises(EngineError, match="exited before /health answered"):
+        _restore.health_check(f"http://127.0.0.1:{port}", timeout_s=30, stop=lambda: gone)
 
 
 def test_main_freezes_the_objects_before_the_exit(monkeypatch: pytest.MonkeyPatch) -> None:

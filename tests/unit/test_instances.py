@@ -239,3 +239,36 @@ def test_a_mount_path_that_is_not_utf8_does_not_stop_the_pruning() -> None:
         finally:
             tree.kill()
             tree.wait()
+
+
+def test_a_bind_in_another_user_namespace_does_not_pin_a_directory(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hostile pass 11: any user can bind a directory of vsnap's name in a user and mount namespace
+    of their own (unshare -Urm); that kept failed runs' directories for ever (and every restore
+    scanned each such process). vsnap's trees never leave vsnap's user namespace."""
+    import shutil
+    import subprocess
+
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare")
+    monkeypatch.setattr(_instances, "RUNTIME_DIR", tmp_path / "run")
+    control_dir = tmp_path / "control"
+    control_dir.mkdir()
+    root = Path(f"{control_dir}.instances")
+    root.mkdir(mode=0o700)
+    old = root / "r-0000002a"
+    old.mkdir(mode=0o700)
+    long_ago = time.time() - _instances.KEEP_FAILED_S - 60
+    os.utime(old, (long_ago, long_ago))
+    other = subprocess.Popen(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
+                              f'mount --bind "{old}" "{control_dir}" && echo bound && exec sleep 60'],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = other.stdout.readline().strip() if other.stdout is not None else ""
+        if line != "bound":
+            pytest.skip(f"this kernel lets no user namespace bind here: {other.stderr.read()[-200:] if other.stderr else ''}")
+        instance_id, _ = new_instance_dir(control_dir, "r")
+        assert sorted(p.name for p in root.iterdir()) == [instance_id]
+    finally:
+        other.kill()
+        other.wait()

@@ -28,9 +28,9 @@ def test_a_runtime_dir_that_is_not_a_directory_of_its_own_is_refused(value: str,
 
 def test_the_default_and_a_clean_directory_are_taken() -> None:
     assert _runtime_dir(None) == (DEFAULT_RUNTIME_DIR, None)
-    assert _runtime_dir("/run/vsnap") == _runtime_dir("/run/vsnap/") == _runtime_dir("/run//vsnap/.") == \
+    assert _runtime_dir("/run/vsnap") == _runtime_dir("/run/vsnap/") == _runtime_dir("//run//vsnap/.") == \
         (DEFAULT_RUNTIME_DIR, None)
-    assert _runtime_dir("/tmp/rt//x/") == (Path("/tmp/rt/x"), None)
+    assert _runtime_dir("/tmp/rt//x/") == _runtime_dir("//tmp/rt/x") == (Path("/tmp/rt/x"), None)
 
 
 def test_every_command_refuses_it_in_one_line(tmp_path: Path) -> None:

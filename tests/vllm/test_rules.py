@@ -96,6 +96,13 @@ def test_environment_rules(tiny_llama: Path) -> None:
         assert refused(tiny_llama, {}, {**SPAWN, name: "0"}) == []
 
 
+def test_a_list_for_an_argument_of_one_value_is_refused(tiny_llama: Path) -> None:
+    """Hostile pass 11: ssl_keyfile: [/k.pem] became `--ssl-keyfile /k.pem`: vLLM served TLS while
+    vsnap, reading the spec's string values, did not know it (and a second item became the model tag)."""
+    assert refused(tiny_llama, {"ssl_keyfile": ["/k.pem"]}) == ["serve.ssl_keyfile: takes one value, not a list"]
+    assert refused(tiny_llama, {"max_model_len": [512, 1024]}) == ["serve.max_model_len: takes one value, not a list"]
+
+
 def test_unknown_reserved_and_malformed_arguments(tiny_llama: Path) -> None:
     assert refused(tiny_llama, {"tensor_paralel_size": 2}) == ["serve.tensor_paralel_size: is not a vLLM serve argument"]
     assert refused(tiny_llama, {"port": 9000})[0].startswith("serve.port: is set by vsnap")

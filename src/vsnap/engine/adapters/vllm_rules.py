@@ -346,6 +346,10 @@ def serve_argv(parser: argparse.ArgumentParser, serve: dict[str, Any]) -> tuple[
         if refused:
             refusals += refused
             continue
+        if isinstance(value, list) and action.nargs is None and not isinstance(action, argparse._AppendAction):
+            # `--flag a b` would give vLLM a and make b a positional argument (the model tag)
+            refusals.append(Refusal(f"serve.{key}", "takes one value, not a list"))
+            continue
         flag = next((s for s in action.option_strings if s.startswith("--")), action.option_strings[0])
         if isinstance(value, bool):
             if isinstance(action, argparse.BooleanOptionalAction):
