@@ -237,8 +237,7 @@ def cold_start(spec: ModelSpec, env_extra: dict[str, str],
         heartbeat = control.OwnerHeartbeat(work).start()
         cleanup.on_exit(heartbeat.stop)
         start = time.monotonic()
-        tree = launch_tree(control_dir, work, shm, env)
-        cleanup.on_exit(end_launched_tree, tree)
+        tree = launch_tree(control_dir, work, shm, env, adopt=lambda launched: cleanup.on_exit(end_launched_tree, launched))
         _wait_status(work, tree.identity, ("validated",), "boot engine", log)
         with handed_over_listener(work, tree.identity, "127.0.0.1", 0, log) as port:
             url = f"http://127.0.0.1:{port}"

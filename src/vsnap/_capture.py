@@ -280,8 +280,8 @@ def capture_image(spec: ModelSpec, *, image_dir: Path | None = None, force: bool
         heartbeat = control.OwnerHeartbeat(work).start()
         cleanup.on_exit(heartbeat.stop)
         with timings.phase("launch"):
-            tree = launch_tree(control_dir, work, shm_dir, env)
-        cleanup.on_failure(end_launched_tree, tree)
+            tree = launch_tree(control_dir, work, shm_dir, env,
+                               adopt=lambda launched: cleanup.on_failure(end_launched_tree, launched))
         with timings.phase("boot engine"):
             ready = wait_ready(tree, work, spec.snapshot.timeout_s)
         pids = tree_pids(tree.root_pid)

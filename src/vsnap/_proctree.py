@@ -18,6 +18,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from .protocol.errors import HostNotReady, ProcessTreeError
 
@@ -150,9 +151,14 @@ _BIND_AND_EXEC = 'mount --bind "$1" "$2" && mount --bind "$4" /dev/shm && exec "
 
 
 def launch_tree(control_dir: Path, instance_dir: Path, shm_dir: Path, env: dict[str, str],
-                timeout_s: float = 30) -> LaunchedTree:
+                adopt: Callable[[LaunchedTree], None], timeout_s: float = 30) -> LaunchedTree:
     """Start the engine root as PID 1 of new PID, mount and network namespaces, with ``instance_dir`` bound at
-    ``control_dir`` and ``shm_dir`` (a directory in the host's /dev/shm) at /dev/shm."""
+    ``control_dir`` and ``shm_dir`` (a directory in the host's /dev/shm) at /dev/shm. ``adopt`` is
+    called with the tree before this returns (the caller registers its teardown there): an
+    interrupt (Ctrl-C, SIGHUP) that lands before it ran ends the tree here, so there is no moment
+    at which the tree belongs to no one."""
+    import psutil  # before the tree exists: the first import takes a while
+
     argv = [find_unshare(), "--pid", "--fork", "--mount-proc", "--net", "--propagation", "private",
             "sh", "-c", _BIND_AND_EXEC, "vsnap-engine", str(instance_dir), str(control_dir), sys.executable,
             str(shm_dir)]
@@ -167,8 +173,6 @@ def launch_tree(control_dir: Path, instance_dir: Path, shm_dir: Path, env: dict[
                                    env={**env, "PYTHONSAFEPATH": "1"}, cwd="/", start_new_session=True)
     finally:
         os.close(log)
-    import psutil
-
     deadline = time.monotonic() + timeout_s
     try:
         while time.monotonic() < deadline:
@@ -178,7 +182,9 @@ def launch_tree(control_dir: Path, instance_dir: Path, shm_dir: Path, env: dict[
                 children = []
             identity = identify(children[0].pid) if children else None
             if identity is not None:
-                return LaunchedTree(process, identity.pid, identity)
+                tree = LaunchedTree(process, identity.pid, identity)
+                adopt(tree)
+                return tree
             if process.poll() is not None:
                 raise ProcessTreeError(process.pid, f"unshare exited with {process.returncode} before the engine "
                                                     "started", phase="launch", log_path=log_path)

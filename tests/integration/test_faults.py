@@ -206,5 +206,19 @@ def test_an_interrupt_while_the_tree_starts_leaves_no_process(tmp_path: Path, mo
 
     monkeypatch.setattr(_proctree, "identify", identify)
     with pytest.raises(KeyboardInterrupt):
-        _proctree.launch_tree(control_dir, instance_dir, shm_dir, dict(os.environ))
+        _proctree.launch_tree(control_dir, instance_dir, shm_dir, dict(os.environ), adopt=lambda tree: None)
     assert interrupted and engine_processes(control_dir, launching=True) == []
+    monkeypatch.setattr(_proctree, "identify", real_identify)
+
+    # CI #12: SIGHUP right after launch_tree returned, before the capture registered the tree's
+    # teardown, left the tree running. The caller now adopts it inside launch_tree: an interrupt
+    # there still ends it.
+    def interrupted_adoption(tree: _proctree.LaunchedTree) -> None:
+        deadline = time.monotonic() + 30
+        while not engine_processes(control_dir) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        _proctree.launch_tree(control_dir, instance_dir, shm_dir, dict(os.environ), adopt=interrupted_adoption)
+    assert engine_processes(control_dir, launching=True) == []
