@@ -10,6 +10,7 @@ one GPU tensor of the file's size:
   register    the file mmapped read-only, cuMemHostRegister of all of it, one copy, unregister
   pieces-N    N threads, each registering a piece of the mapping, copying it on its own stream,
               unregistering it (registration overlapped with other pieces' copies)
+  dma-NxH     vsnap's vllm_weights.dma_into: N threads, each keeping up to H pieces locked
   pinned      a copy from host memory registered beforehand (the ceiling: what a standby holding
               its weights pinned would pay)
 Prints one line per run and a table last; --json writes the table as JSON.
@@ -30,6 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 PIECE = 512 << 20
+DMA_SPLITS = [(4, 2), (4, 16), (2, 16), (1, 16)]  # dma_into's (threads, pieces held per thread)
 
 
 def check(result: tuple, what: str) -> tuple:
@@ -61,6 +63,20 @@ def run_stream(path: Path, target) -> float:
 
     size = path.stat().st_size
     return stream_into(path, [Segment("all", 0, size, "torch.uint8", (size,))], [target])["weights_load_s"]
+
+
+def run_dma(path: Path, target, reference, threads: int, held: int) -> tuple[float, str]:
+    import torch
+
+    from vsnap.engine.adapters.vllm_weights import Segment, dma_into
+
+    size = path.stat().st_size
+    target.zero_()
+    torch.cuda.synchronize()
+    result = dma_into(path, [Segment("all", 0, size, "torch.uint8", (size,))], [target], threads=threads, held=held)
+    if not torch.equal(target, reference):
+        raise RuntimeError("the GPU's copy differs from the file")
+    return result["weights_load_s"], f"({result['weights_registered_pieces']:.0f} pieces locked)"
 
 
 def run_register(path: Path, target) -> tuple[float, float, float]:
@@ -167,6 +183,8 @@ def main() -> int:
     ensure_file(args.file, size)
     warm(args.file)
     target = torch.empty(size, dtype=torch.uint8, device="cuda")
+    with open(args.file, "rb") as f:  # what every dma_into run must leave on the GPU, by a plain pageable copy
+        reference = torch.frombuffer(bytearray(f.read()), dtype=torch.uint8).to("cuda")
     torch.cuda.synchronize()
     results: dict[str, list[float]] = {}
 
@@ -191,6 +209,9 @@ def main() -> int:
         attempt("register", register)
         for threads in (4, 8):
             attempt(f"pieces-{threads}", lambda: note(f"pieces-{threads}", run_pieces(args.file, target, threads)))
+        for threads, held in DMA_SPLITS:
+            attempt(f"dma-{threads}x{held}",
+                    lambda: note(f"dma-{threads}x{held}", *run_dma(args.file, target, reference, threads, held)))
         attempt("pinned", lambda: note("pinned", run_pinned(size, target)))
     table = {name: statistics.median(v) for name, v in results.items()}
     print(f"\n{size / 1e9:.2f} GB, medians of {args.runs}:")

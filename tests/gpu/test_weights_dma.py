@@ -26,15 +26,15 @@ def _layout(sizes: list[int]) -> list[Segment]:
     return segments
 
 
-@pytest.mark.parametrize("piece", [1 << 20, 3 << 20, 64 << 20])
-def test_dma_into_copies_every_byte(tmp_path: Path, piece: int) -> None:
+@pytest.mark.parametrize("piece,held", [(1 << 20, 2), (3 << 20, 2), (64 << 20, 2), (1 << 20, 16)])
+def test_dma_into_copies_every_byte(tmp_path: Path, piece: int, held: int) -> None:
     sizes = [1, (5 << 20) + 13, 4096, 0, (2 << 20) - 1, 777]
     segments = _layout(sizes)
     data = os.urandom(sum(sizes))
     path = tmp_path / "rank0.bin"
     path.write_bytes(data)
     targets = [torch.zeros(n, dtype=torch.uint8, device="cuda") for n in sizes]
-    result = dma_into(path, segments, targets, threads=3, piece=piece)
+    result = dma_into(path, segments, targets, threads=3, piece=piece, held=held)
     assert result["weights_bytes"] == len(data)
     assert result["weights_registered_pieces"] == -(-len(data) // piece)
     for seg, target in zip(segments, targets):
@@ -42,13 +42,13 @@ def test_dma_into_copies_every_byte(tmp_path: Path, piece: int) -> None:
     assert str(path) not in Path("/proc/self/maps").read_text()  # unmapped, so nothing of it is still locked
 
 
-def test_stream_into_takes_dma_when_asked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_stream_into_takes_dma_by_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     sizes = [3 << 20, 12345]
     data = os.urandom(sum(sizes))
     path = tmp_path / "rank0.bin"
     path.write_bytes(data)
     targets = [torch.zeros(n, dtype=torch.uint8, device="cuda") for n in sizes]
-    monkeypatch.setenv(DMA_ENV, "1")
+    monkeypatch.delenv(DMA_ENV, raising=False)  # the default
     result = stream_into(path, _layout(sizes), targets)
     assert result["weights_registered_pieces"] >= 1
     assert b"".join(bytes(t.cpu().numpy()) for t in targets) == data

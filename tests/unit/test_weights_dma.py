@@ -159,19 +159,28 @@ def _mapped(path: Path) -> bool:
     return str(path) in Path("/proc/self/maps").read_text()
 
 
-@pytest.mark.parametrize("piece_pages,threads", [(1, 3), (3, 2), (4, 4), (64, 1)])
-def test_every_byte_lands_with_at_most_two_pieces_locked_per_thread(
-        monkeypatch: pytest.MonkeyPatch, weights: tuple[Path, list[int], bytes], piece_pages: int, threads: int) -> None:
+@pytest.mark.parametrize("piece_pages,threads,held", [(1, 3, 2), (3, 2, 2), (4, 4, 2), (64, 1, 2), (1, 2, 3), (1, 1, 16)])
+def test_every_byte_lands_with_at_most_held_pieces_locked_per_thread(
+        monkeypatch: pytest.MonkeyPatch, weights: tuple[Path, list[int], bytes], piece_pages: int, threads: int,
+        held: int) -> None:
     path, sizes, data = weights
     driver = FakeDriver()
     _install(monkeypatch, driver)
     targets = [FakeTarget(n) for n in sizes]
-    result = dma_into(path, _layout(sizes), targets, threads=threads, piece=piece_pages * PAGE)
+    result = dma_into(path, _layout(sizes), targets, threads=threads, piece=piece_pages * PAGE, held=held)
     pieces = -(-len(data) // (piece_pages * PAGE))
     assert result["weights_registered_pieces"] == pieces == driver.registrations
     assert b"".join(t.bytes() for t in targets) == data
-    assert driver.peak <= 2 * min(threads, pieces)
+    assert driver.peak <= held * min(threads, pieces)
+    if threads == 1:  # one thread reaches its limit: exactly that many are locked at the peak
+        assert driver.peak == min(held, pieces)
     assert driver.locked == {} and driver.contexts == 0 and not _mapped(path)
+
+
+def test_fewer_than_two_held_pieces_is_refused(weights: tuple[Path, list[int], bytes]) -> None:
+    path, sizes, _ = weights
+    with pytest.raises(ValueError, match="held must be at least 2"):
+        dma_into(path, _layout(sizes), [FakeTarget(n) for n in sizes], held=1)
 
 
 @pytest.mark.parametrize("refuse_at", [1, 3])

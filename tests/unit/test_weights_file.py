@@ -158,9 +158,9 @@ class _CudaLike:
         type = "cuda"
 
 
-@pytest.mark.parametrize("env,refused,want", [(None, False, ["buffered"]), ("0", False, ["buffered"]),
-                                              ("1", False, ["dma"]), ("1", True, ["dma", "buffered"])])
-def test_cuda_targets_take_dma_only_when_asked_and_fall_back_when_refused(
+@pytest.mark.parametrize("env,refused,want", [(None, False, ["dma"]), ("0", False, ["buffered"]),
+                                              ("1", False, ["dma"]), (None, True, ["dma", "buffered"])])
+def test_cuda_targets_take_dma_unless_told_not_to_and_fall_back_when_refused(
         monkeypatch: pytest.MonkeyPatch, env: str | None, refused: bool, want: list[str]) -> None:
     from vsnap.engine.adapters import vllm_weights
 

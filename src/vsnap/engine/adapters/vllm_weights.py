@@ -37,7 +37,8 @@ CHUNK = 32 << 20  # bytes read and copied at a time by one thread
 THREADS = 8  # readers (H200 host, 8B: 8 read 17.6 GB/s from the page cache, 12 read 15.6 GB/s); each owns two pinned buffers (one read into while the other is copied)
 DMA_THREADS = 4  # dma_into's threads (H200 host, 17.2 GB: 4 and 8 both ~26 GB/s, bound by page-locking)
 DMA_PIECE = 512 << 20  # bytes page-locked and copied at a time by one of them
-DMA_ENV = "VSNAP_WEIGHTS_DMA"  # "1": dma_into first (not yet run inside a restore on a GPU: opt-in until it has)
+DMA_HELD = 16  # pieces each thread keeps locked before it unlocks its oldest (4 x 16 x 512 MiB: 32 GiB at most)
+DMA_ENV = "VSNAP_WEIGHTS_DMA"  # "0" in the capture's environment: the buffered path only (default: dma_into first)
 EXTENSION = f"{__name__}.WeightsFileExtension"
 # The CUDA graph pool's allocations in vLLM's sleep-mode allocator carry the KV cache's tag: vLLM
 # discards that memory at sleep and maps fresh memory at the same addresses at wake, which is what
@@ -132,22 +133,29 @@ def _overlaps(starts: list[int], segments: list[Segment], lo: int, hi: int) -> l
 
 
 def dma_into(path: Path, segments: list[Segment], targets: list[Any], *, threads: int = DMA_THREADS,
-             piece: int = DMA_PIECE) -> dict[str, float]:
+             piece: int = DMA_PIECE, held: int = DMA_HELD) -> dict[str, float]:
     """Copy the file's bytes into CUDA ``targets`` straight from the page cache: the file mapped
     read-only, each piece page-locked in place (cuMemHostRegister) and copied by the GPU's copy
     engine, no host-side copy at all. Threads lock pieces while others' copies run; each thread
-    holds at most two pieces locked (the one being copied, the next), so at most 2 x threads x
-    piece bytes of the page cache are locked at once.
+    holds at most ``held`` pieces locked (it waits for its oldest piece's copies and unlocks it
+    before it locks another), so at most held x threads x piece bytes of the page cache are
+    locked at once, and the rest are unlocked once every copy is done: the driver's locking and
+    unlocking appear to share one lock (threads that only copied beside the lockings slowed them
+    too), so unlocking between lockings slows the lockings down (measured on the
+    H200 host, 17.2 GB, scripts/weights-dma-bench.py: 4 threads holding two pieces each 0.69 to
+    0.75 s, holding 16 each 0.58 s).
 
     The scheme measured on the H200 host by scripts/weights-dma-bench.py ("pieces-4", 17.2 GB from
     the page cache; that loop kept every piece locked until the end): 0.65 s with 4 threads
     (26.6 GB/s; locking runs ~34 GB/s, the copies 55 GB/s) against 1.05 s for the buffered path.
-    This function itself has not run on a GPU yet (tests/gpu/test_weights_dma.py will). Raises RegistrationRefused when this path cannot run here (no cuda-bindings, the
+    Raises RegistrationRefused when this path cannot run here (no cuda-bindings, the
     file cannot be mapped, no stream, CUDA will not lock the mapping), before or after some pieces
     were copied: every copy issued has finished by then, and the caller copies everything again
     its own way. A copy the GPU fails raises RuntimeError."""
     if piece <= 0 or piece % mmap.PAGESIZE:
         raise ValueError(f"piece must be a positive multiple of the page size ({mmap.PAGESIZE}), not {piece}")
+    if held < 2:
+        raise ValueError(f"held must be at least 2 (one piece copied while the next is locked), not {held}")
     total = segments[-1].offset + segments[-1].nbytes if segments else 0
     if not total:
         return {"weights_bytes": 0.0, "weights_load_s": 0.0, "weights_gb_per_s": 0.0, "weights_registered_pieces": 0.0}
@@ -191,7 +199,7 @@ def dma_into(path: Path, segments: list[Segment], targets: list[Any], *, threads
                 raise RegistrationRefused(f"no CUDA stream: {err2}")
             done = 0
             while not stop.is_set() and (index := next(counter)) < pieces:
-                if len(locked) == 2:  # the older piece's copies must be done before it is unlocked
+                if len(locked) == held:  # the oldest piece's copies must be done before it is unlocked
                     address, event = locked.pop(0)
                     (err,) = cu.cuEventSynchronize(event)
                     _unlock(cu, address, event)
@@ -259,10 +267,10 @@ def _unlock(cu: Any, address: int, event: Any) -> None:
 def stream_into(path: Path, segments: list[Segment], targets: list[Any], *, threads: int = THREADS,
                 chunk: int = CHUNK) -> dict[str, float]:
     """Copy the file's bytes into ``targets`` (flat uint8 tensors, one per segment): CUDA tensors
-    through pinned buffers and asynchronous copies, or with DMA_ENV=1 in the engine's environment
-    from the page-locked page cache (dma_into; where CUDA refuses that, the buffered path); CPU
-    tensors by plain copies."""
-    if targets and targets[0].device.type == "cuda" and os.environ.get(DMA_ENV) == "1":
+    from the page-locked page cache (dma_into; where CUDA refuses that, or with DMA_ENV=0 in the
+    engine's environment, through pinned buffers and asynchronous copies); CPU tensors by plain
+    copies. 8B on the H200, inside a restore: 0.72 s by dma_into, 0.90 s buffered (NOTES.md)."""
+    if targets and targets[0].device.type == "cuda" and os.environ.get(DMA_ENV) != "0":
         try:
             return dma_into(path, segments, targets)
         except RegistrationRefused as refused:
