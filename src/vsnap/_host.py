@@ -10,6 +10,7 @@ import platform
 import socket
 import stat
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable
 from importlib import metadata
@@ -373,16 +374,19 @@ def dependency_mismatches(dependencies: list[Dependency], *, hash_files: bool, c
     return sorted(mismatches, key=lambda m: order.get(m[0], len(order)))
 
 
-def host_differences(manifest: Manifest, current: HostFacts | None = None, *, hash_files: bool = False,
-                     cache_root: Path | None = None, rehash: bool = False) -> list[HostDifference]:
-    """Every recorded fact of ``manifest`` that differs on this host (``current``: its facts, by
-    default read now), fatal ones first, then warnings; each dependency file that is missing or
-    changed is a fatal difference of its own (see dependency_mismatches)."""
-    # the files first: a restore checks the GPU in another thread at the same time (choose_gpus),
-    # and the CUDA driver's start (cuInit, ~0.07 s) is then done by the time current_facts asks
+def host_differences(manifest: Manifest, current: HostFacts | Future[HostFacts] | None = None, *,
+                     hash_files: bool = False, cache_root: Path | None = None,
+                     rehash: bool = False) -> list[HostDifference]:
+    """Every recorded fact of ``manifest`` that differs on this host (``current``: its facts, or
+    their reading under way in another thread; by default read now), fatal ones first, then
+    warnings; each dependency file that is missing or changed is a fatal difference of its own
+    (see dependency_mismatches)."""
+    # the files first: a restore reads the facts (and checks the GPU) in other threads meanwhile
     files = [HostDifference(fact, recorded, now, True, WHY_FILE) for fact, recorded, now in
              dependency_mismatches(manifest.dependencies, hash_files=hash_files, cache_root=cache_root,
                                    rehash=rehash)]
+    if isinstance(current, Future):
+        current = current.result()
     current = current or current_facts(manifest)
     cuda = manifest.engine == "vllm" and bool(manifest.cuda_processes)
     differences = compare_facts(manifest.host, current, engine=manifest.engine, cuda=cuda)
@@ -399,7 +403,7 @@ def host_mismatches(manifest: Manifest, *, hash_files: bool = False) -> list[tup
     return [d.triple for d in host_differences(manifest, hash_files=hash_files) if d.fatal]
 
 
-def require_host_matches(manifest: Manifest, current: HostFacts | None = None, *,
+def require_host_matches(manifest: Manifest, current: HostFacts | Future[HostFacts] | None = None, *,
                          cache_root: Path | None = None) -> list[HostDifference]:
     """Refuse (ImageHostMismatch, every fatal difference on its own line) a host the image cannot
     be restored on; return the differences that do not stop a restore (warnings).

@@ -28,7 +28,7 @@ from .protocol.errors import (CheckpointError, EngineError, HostNotReady, ImageC
                               NothingRunning, OracleMismatch, ProcessTreeError, UnknownInstance, UnsupportedOption,
                               VsnapError)
 from ._events import ProgressCallback, Timings
-from ._host import HostDifference, check_criu_this_boot, check_root, require_host_matches
+from ._host import HostDifference, check_criu_this_boot, check_root, current_facts, require_host_matches
 from ._cleanup import Cleanup
 from ._image import held_lock, image_read_lock, verify_files
 from ._manifest import CRIU_DIR, ENGINE_LOG, SHM_DIR, TREE_DIRS, WEIGHTS_DIR, Manifest, read_manifest
@@ -429,10 +429,13 @@ def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000,
             clock.mark("trust_and_manifest")
             # Independent checks side by side (the GPU ones start the CUDA driver, which the CUDA
             # restore needs anyway); the first failure in this order is the one reported.
-            with ThreadPoolExecutor(max_workers=5) as pool:
+            with ThreadPoolExecutor(max_workers=6) as pool:
                 hashing = pool.submit(clock.call, "files", verify_files, image_dir, manifest, cache_root=VERIFIED_DIR,
                                       rehash=rehash)
-                host_fit = pool.submit(clock.call, "host", require_host_matches, manifest, cache_root=VERIFIED_DIR)
+                # the host's facts (CRIU's and the packages' versions, the GPUs) while the host check
+                # compares the dependency files; it then waits for them
+                facts = pool.submit(clock.call, "host_facts", current_facts, manifest)
+                host_fit = pool.submit(clock.call, "host", require_host_matches, manifest, facts, cache_root=VERIFIED_DIR)
                 checks = [pool.submit(clock.call, "criu", check_criu_this_boot, VERIFIED_DIR), hashing, host_fit]
                 if not standby:  # a standby binds no port and takes no GPU until it is activated
                     checks.append(pool.submit(clock.call, "port", check_port_free, host, port))

@@ -127,6 +127,36 @@ def test_every_fatal_difference_is_named_at_once_fatal_first(tmp_path: Path, dep
     assert [m["fact"] for m in error.value.to_dict()["mismatches"]] == ["torch"] + [f"file {p}" for p in deps]
 
 
+def test_facts_read_in_another_thread_are_waited_for_after_the_files(tmp_path: Path, deps: list[Path]) -> None:
+    """A restore reads the host's facts beside the host check: the check compares the files, then
+    waits for the facts (a Future), and refuses on both kinds of difference as it does otherwise."""
+    from concurrent.futures import Future
+
+    image = manifest(host=host_facts(torch="2.12.0"), dependencies=[dependency(p) for p in deps])
+    deps[0].write_bytes(b"t" * 4000)
+    pending: Future = Future()
+    order: list[str] = []
+    real = _host.dependency_mismatches
+
+    def files_then_facts(*args: object, **kwargs: object) -> list[tuple[str, str, str]]:
+        order.append("files")
+        found = real(*args, **kwargs)  # type: ignore[arg-type]
+        order.append("facts read")
+        pending.set_result(host_facts())  # as the facts' thread would, once the files are done
+        return found
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_host, "dependency_mismatches", files_then_facts)
+        differences = host_differences(image, pending, hash_files=True, cache_root=tmp_path / "verified")
+    assert order == ["files", "facts read"]
+    assert lines(differences)[:2] == [("torch: image has '2.12.0', host has '2.13.0+cpu'", True),
+                                      (f"file {deps[0]}: image has '4096 bytes', host has '4000 bytes'", True)]
+    failed: Future = Future()
+    failed.set_exception(OSError("the facts could not be read"))
+    with pytest.raises(OSError, match="could not be read"):  # the facts' failure is the check's
+        require_host_matches(image, failed, cache_root=tmp_path / "verified")
+
+
 def test_warnings_alone_do_not_refuse(tmp_path: Path) -> None:
     image = manifest(host=host_facts(kernel="5.15.0", vsnap="0.1.9"))
     warnings = require_host_matches(image, host_facts(), cache_root=tmp_path)
