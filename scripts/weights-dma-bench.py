@@ -6,7 +6,7 @@ registered page-cache memory" lever; numbers go to docs/benchmarks/NOTES.md).
 
 Writes FILE (GIB of bytes, kept in the page cache) unless it has that size, then times, each into
 one GPU tensor of the file's size:
-  stream      vsnap's own path (vllm_weights.stream_into: threads read into pinned buffers, async copies)
+  stream      vsnap's buffered path (vllm_weights.buffered_into: threads read into pinned buffers, async copies)
   register    the file mmapped read-only, cuMemHostRegister of all of it, one copy, unregister
   pieces-N    N threads, each registering a piece of the mapping, copying it on its own stream,
               unregistering it (registration overlapped with other pieces' copies)
@@ -59,10 +59,10 @@ def warm(path: Path) -> None:
 
 
 def run_stream(path: Path, target) -> float:
-    from vsnap.engine.adapters.vllm_weights import Segment, stream_into
+    from vsnap.engine.adapters.vllm_weights import Segment, buffered_into
 
-    size = path.stat().st_size
-    return stream_into(path, [Segment("all", 0, size, "torch.uint8", (size,))], [target])["weights_load_s"]
+    size = path.stat().st_size  # the buffered path itself (stream_into takes dma_into first)
+    return buffered_into(path, [Segment("all", 0, size, "torch.uint8", (size,))], [target])["weights_load_s"]
 
 
 def run_dma(path: Path, target, reference, threads: int, held: int) -> tuple[float, str]:

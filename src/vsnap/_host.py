@@ -308,7 +308,7 @@ def current_facts(manifest: Manifest) -> HostFacts:
     packages, torch = engine_packages(manifest.engine), package_version("torch")
     vllm = vllm_version() if manifest.engine == "vllm" else None
     driver, cuda, gpus = None, None, []
-    if manifest.engine == "vllm" and manifest.cuda_processes:  # last: see host_differences
+    if manifest.engine == "vllm" and manifest.cuda_processes:  # last: the CUDA driver may still be starting
         from ._cuda import gpu_facts
 
         driver, cuda, gpus = gpu_facts()

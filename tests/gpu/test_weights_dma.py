@@ -26,15 +26,17 @@ def _layout(sizes: list[int]) -> list[Segment]:
     return segments
 
 
-@pytest.mark.parametrize("piece,held", [(1 << 20, 2), (3 << 20, 2), (64 << 20, 2), (1 << 20, 16)])
-def test_dma_into_copies_every_byte(tmp_path: Path, piece: int, held: int) -> None:
+# (1 MiB, 1 thread, 3 held): 8 pieces, so the thread unlocks pieces while it locks others
+@pytest.mark.parametrize("piece,threads,held", [(1 << 20, 3, 2), (3 << 20, 3, 2), (64 << 20, 3, 2), (1 << 20, 3, 16),
+                                                (1 << 20, 1, 3)])
+def test_dma_into_copies_every_byte(tmp_path: Path, piece: int, threads: int, held: int) -> None:
     sizes = [1, (5 << 20) + 13, 4096, 0, (2 << 20) - 1, 777]
     segments = _layout(sizes)
     data = os.urandom(sum(sizes))
     path = tmp_path / "rank0.bin"
     path.write_bytes(data)
     targets = [torch.zeros(n, dtype=torch.uint8, device="cuda") for n in sizes]
-    result = dma_into(path, segments, targets, threads=3, piece=piece, held=held)
+    result = dma_into(path, segments, targets, threads=threads, piece=piece, held=held)
     assert result["weights_bytes"] == len(data)
     assert result["weights_registered_pieces"] == -(-len(data) // piece)
     for seg, target in zip(segments, targets):

@@ -44,7 +44,8 @@ class Pushed:
 def vsnap_json(*args: str, env: dict[str, str] | None = None, rc: int = 0) -> dict:
     result = subprocess.run([VSNAP, *args, "--json"], capture_output=True, text=True, timeout=300,
                             env={**os.environ, **(env or {})})
-    assert result.returncode == rc, (args, result.stdout, result.stderr)
+    # a string, not a tuple: pytest shortens a tuple's repr in the middle, where the error's message is
+    assert result.returncode == rc, f"{args} exited {result.returncode}\n{result.stdout}\n{result.stderr}"
     return json.loads(result.stdout) if result.stdout.strip() else {}
 
 

@@ -128,27 +128,31 @@ def test_every_fatal_difference_is_named_at_once_fatal_first(tmp_path: Path, dep
 
 
 def test_facts_read_in_another_thread_are_waited_for_after_the_files(tmp_path: Path, deps: list[Path]) -> None:
-    """A restore reads the host's facts beside the host check: the check compares the files, then
-    waits for the facts (a Future), and refuses on both kinds of difference as it does otherwise."""
+    """A restore reads the host's facts beside the host check: the check compares the files first,
+    then waits for the facts (a Future), and refuses on both kinds of difference as it does otherwise."""
     from concurrent.futures import Future
 
     image = manifest(host=host_facts(torch="2.12.0"), dependencies=[dependency(p) for p in deps])
     deps[0].write_bytes(b"t" * 4000)
-    pending: Future = Future()
     order: list[str] = []
+
+    class Facts(Future):  # already read; says when the check asks for them
+        def result(self, timeout: float | None = None) -> object:
+            order.append("facts awaited")
+            return super().result(timeout)
+
+    ready = Facts()
+    ready.set_result(host_facts())
     real = _host.dependency_mismatches
 
-    def files_then_facts(*args: object, **kwargs: object) -> list[tuple[str, str, str]]:
-        order.append("files")
-        found = real(*args, **kwargs)  # type: ignore[arg-type]
-        order.append("facts read")
-        pending.set_result(host_facts())  # as the facts' thread would, once the files are done
-        return found
+    def files(*args: object, **kwargs: object) -> list[tuple[str, str, str]]:
+        order.append("files compared")
+        return real(*args, **kwargs)  # type: ignore[arg-type]
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_host, "dependency_mismatches", files_then_facts)
-        differences = host_differences(image, pending, hash_files=True, cache_root=tmp_path / "verified")
-    assert order == ["files", "facts read"]
+        patch.setattr(_host, "dependency_mismatches", files)
+        differences = host_differences(image, ready, hash_files=True, cache_root=tmp_path / "verified")
+    assert order == ["files compared", "facts awaited"]
     assert lines(differences)[:2] == [("torch: image has '2.12.0', host has '2.13.0+cpu'", True),
                                       (f"file {deps[0]}: image has '4096 bytes', host has '4000 bytes'", True)]
     failed: Future = Future()

@@ -46,6 +46,8 @@ class FakeDriver(types.ModuleType):
         self.peak = self.registrations = self.copies = 0
         self.refuse_at, self.fail_copy_at = refuse_at, fail_copy_at
         self.contexts = 0
+        self.unlocks = 0
+        self.unlocks_at_failure: int | None = None  # how many pieces had been unlocked when one call failed
 
     def cuDeviceGet(self, ordinal: int) -> tuple[int, int]:
         return 0, ordinal
@@ -89,6 +91,7 @@ class FakeDriver(types.ModuleType):
         with self.lock:
             self.registrations += 1
             if self.registrations == self.refuse_at:
+                self.unlocks_at_failure = self.unlocks
                 return (self.CUresult.CUDA_ERROR_NOT_SUPPORTED,)
             assert all(address + size <= a or a + n <= address for a, n in self.locked.items()), "overlap"
             self.locked[address] = size
@@ -98,12 +101,14 @@ class FakeDriver(types.ModuleType):
     def cuMemHostUnregister(self, address: int) -> tuple[int]:
         with self.lock:
             del self.locked[address]
+            self.unlocks += 1
         return (0,)
 
     def cuMemcpyHtoDAsync(self, dst: int, src: int, size: int, stream: object) -> tuple[int]:
         with self.lock:
             self.copies += 1
             if self.copies == self.fail_copy_at:
+                self.unlocks_at_failure = self.unlocks
                 return (self.CUresult.CUDA_ERROR_ILLEGAL_ADDRESS,)
             assert any(a <= src and src + size <= a + n for a, n in self.locked.items()), "copy from unlocked memory"
         ctypes.memmove(dst, src, size)
@@ -183,27 +188,38 @@ def test_fewer_than_two_held_pieces_is_refused(weights: tuple[Path, list[int], b
         dma_into(path, _layout(sizes), [FakeTarget(n) for n in sizes], held=1)
 
 
-@pytest.mark.parametrize("refuse_at", [1, 3])
+# (6, 2): five pieces were locked before, so one thread had unlocked its oldest; with 16 held no thread ever
+# unlocks before the end (17 pieces)
+@pytest.mark.parametrize("refuse_at,held", [(1, 2), (3, 2), (6, 2), (3, 16)])
 def test_a_refused_lock_raises_registration_refused_with_nothing_left_locked(
-        monkeypatch: pytest.MonkeyPatch, weights: tuple[Path, list[int], bytes], refuse_at: int) -> None:
+        monkeypatch: pytest.MonkeyPatch, weights: tuple[Path, list[int], bytes], refuse_at: int, held: int) -> None:
     path, sizes, _ = weights
     driver = FakeDriver(refuse_at=refuse_at)
     _install(monkeypatch, driver)
     with pytest.raises(RegistrationRefused, match="cuMemHostRegister"):
-        dma_into(path, _layout(sizes), [FakeTarget(n) for n in sizes], threads=2, piece=PAGE)
+        dma_into(path, _layout(sizes), [FakeTarget(n) for n in sizes], threads=2, piece=PAGE, held=held)
     assert driver.locked == {} and driver.contexts == 0 and not _mapped(path)
+    if (refuse_at, held) == (6, 2):
+        assert (driver.unlocks_at_failure or 0) > 0
+    elif refuse_at == 1 or held == 16:
+        assert driver.unlocks_at_failure == 0
     pieces = -(-sum(sizes) // PAGE)
     assert driver.registrations <= refuse_at + 2 < pieces  # the other thread stopped too, not after every piece
 
 
+# (12, 2): at most 6 copies go beyond one per piece (segment boundaries), so 6 pieces were locked by two
+# threads and one had unlocked its oldest; at the second copy no thread can have
+@pytest.mark.parametrize("fail_copy_at,held", [(2, 2), (12, 2), (2, 16)])
 def test_a_failed_copy_is_an_error_not_a_refusal(monkeypatch: pytest.MonkeyPatch,
-                                                 weights: tuple[Path, list[int], bytes]) -> None:
+                                                 weights: tuple[Path, list[int], bytes], fail_copy_at: int,
+                                                 held: int) -> None:
     path, sizes, _ = weights
-    driver = FakeDriver(fail_copy_at=2)
+    driver = FakeDriver(fail_copy_at=fail_copy_at)
     _install(monkeypatch, driver)
     with pytest.raises(RuntimeError, match="to the GPU"):
-        dma_into(path, _layout(sizes), [FakeTarget(n) for n in sizes], threads=2, piece=PAGE)
+        dma_into(path, _layout(sizes), [FakeTarget(n) for n in sizes], threads=2, piece=PAGE, held=held)
     assert driver.locked == {} and not _mapped(path)
+    assert (driver.unlocks_at_failure or 0) > 0 if fail_copy_at == 12 else driver.unlocks_at_failure == 0
 
 
 def test_without_cuda_bindings_or_a_mappable_file_it_is_refused(monkeypatch: pytest.MonkeyPatch,
@@ -227,3 +243,12 @@ def test_a_piece_that_is_not_whole_pages_is_refused(weights: tuple[Path, list[in
     path, sizes, _ = weights
     with pytest.raises(ValueError, match="multiple of the page size"):
         dma_into(path, _layout(sizes), [FakeTarget(n) for n in sizes], piece=PAGE + 100)
+
+
+@pytest.mark.parametrize("available_kib,want", [(64 << 20, 16), (8 << 20, 2), (12 << 20, 3), (0, 2)])
+def test_held_pieces_stay_within_half_of_the_available_memory(tmp_path: Path, available_kib: int, want: int) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(f"MemTotal:       {128 << 20} kB\nMemAvailable:   {available_kib} kB\n")
+    # 4 threads x 512 MiB: 64 GiB available allows 16 each, 12 GiB allows 3, 8 GiB the least (2)
+    assert vllm_weights.held_within_memory(16, 4, 512 << 20, meminfo) == want
+    assert vllm_weights.held_within_memory(16, 4, 512 << 20, tmp_path / "absent") == 2

@@ -115,6 +115,17 @@ def _read_into(fd: int, view: memoryview, offset: int) -> None:
         done += n
 
 
+def held_within_memory(held: int, threads: int, piece: int, meminfo: Path = Path("/proc/meminfo")) -> int:
+    """``held``, lowered (to 2 at least) so that every thread's locked pieces together stay within
+    half of the host's MemAvailable: locked page-cache pages cannot be reclaimed until unlocked."""
+    try:
+        fields = dict(line.split(":", 1) for line in meminfo.read_text().splitlines() if ":" in line)
+        available = int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return 2  # unknown: the least
+    return max(2, min(held, available // 2 // max(threads * piece, 1)))
+
+
 class RegistrationRefused(Exception):
     """CUDA would not page-lock the mapped file (dma_into); the buffered path copies instead."""
 
@@ -138,8 +149,8 @@ def dma_into(path: Path, segments: list[Segment], targets: list[Any], *, threads
     read-only, each piece page-locked in place (cuMemHostRegister) and copied by the GPU's copy
     engine, no host-side copy at all. Threads lock pieces while others' copies run; each thread
     holds at most ``held`` pieces locked (it waits for its oldest piece's copies and unlocks it
-    before it locks another), so at most held x threads x piece bytes of the page cache are
-    locked at once, and the rest are unlocked once every copy is done: the driver's locking and
+    before it locks another; fewer where the host's memory is short: held_within_memory), so at
+    most held x threads x piece bytes of the page cache are locked at once, and the rest are unlocked once every copy is done: the driver's locking and
     unlocking appear to share one lock (threads that only copied beside the lockings slowed them
     too), so unlocking between lockings slows the lockings down (measured on the
     H200 host, 17.2 GB, scripts/weights-dma-bench.py: 4 threads holding two pieces each 0.69 to
@@ -165,6 +176,7 @@ def dma_into(path: Path, segments: list[Segment], targets: list[Any], *, threads
     except ImportError as exc:
         raise RegistrationRefused(f"no cuda-bindings ({exc})") from None
     ok = cu.CUresult.CUDA_SUCCESS
+    held = held_within_memory(held, min(threads, (total + piece - 1) // piece), piece)
     starts = [s.offset for s in segments]
     addresses = [t.data_ptr() for t in targets]
     ordinal = targets[0].device.index or 0
