@@ -10,12 +10,14 @@ blobs in the registry and their digests in _pushed; the next push sends only the
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ContextManager, Iterable
 
 from ._blobio import HashingIterator, checking, file_chunks, parallel, zstd_chunks
 from ._events import ProgressCallback, Timings, failpoint
@@ -99,9 +101,11 @@ def push_image(image_dir: Path, reference: str | Reference, *, insecure: bool = 
         # mode other ones): one image pushes as one digest, whatever --jobs and the host's cores
         threads = max(1, (os.cpu_count() or 1) // max(1, jobs))
         cancel = threading.Event()
+        one_per_digest = OnePerDigest(known.values())
         with timings.phase("upload blobs"):
             def send(rel: str) -> Layer:
-                layer = _send(client(), image_dir, rel, manifest, known.get(rel), counters, threads, cancel)
+                with one_per_digest.holding(known.get(rel)):
+                    layer = _send(client(), image_dir, rel, manifest, known.get(rel), counters, threads, cancel)
                 pushed.remember(layer, stats[rel])
                 failpoint("blob pushed")
                 return layer
@@ -119,6 +123,19 @@ def push_image(image_dir: Path, reference: str | Reference, *, insecure: bool = 
     return PushResult(str(tagged), digest, image_dir, len(layers), counters.uploaded, counters.skipped,
                       counters.bytes_sent, counters.bytes_skipped, sum(e.size for e in manifest.files.values()),
                       dict(timings.seconds))
+
+
+class OnePerDigest:
+    """Files of equal content share one blob: one job at a time asks the registry for it and sends
+    it, and the next finds it there. Two at once send it twice, and a registry (distribution 2.8)
+    answered HTTP 500 to the HEAD of a blob another connection was committing."""
+
+    def __init__(self, layers: Iterable[Layer]) -> None:
+        self._locks = {layer.digest: threading.Lock() for layer in layers}
+
+    def holding(self, layer: Layer | None) -> ContextManager[object]:
+        """The digest's turn (a digest known only once sent has no turn to wait for)."""
+        return self._locks[layer.digest] if layer is not None else contextlib.nullcontext()
 
 
 def _plan(image_dir: Path, manifest: Manifest, stats: dict[str, os.stat_result], pushed: PushedBlobs,

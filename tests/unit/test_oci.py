@@ -479,3 +479,37 @@ def test_a_registry_that_drips_bytes_is_given_up_after_the_grace() -> None:
             yield chunk
 
     assert sum(map(len, at_least_min_rate(steady(), "r.example", "blob", clock=lambda: now[0]))) == 300 << 20
+
+
+def test_files_of_equal_content_are_sent_one_job_at_a_time() -> None:
+    """Two jobs with one known digest take turns (the second then finds the blob in the registry);
+    other digests, and digests known only once sent, do not wait."""
+    from vsnap._push import OnePerDigest
+
+    same = [Layer(f"pages-{n}.img", "raw", "sha256:" + "a" * 64, 10) for n in (1, 2)]
+    other = Layer("core.img", "raw", "sha256:" + "b" * 64, 10)
+    turns = OnePerDigest([*same, other])
+    inside, release = threading.Event(), threading.Event()
+    second_in = threading.Event()
+
+    def first() -> None:
+        with turns.holding(same[0]):
+            inside.set()
+            release.wait(10)
+
+    def second() -> None:
+        with turns.holding(same[1]):
+            second_in.set()
+
+    a = threading.Thread(target=first)
+    a.start()
+    assert inside.wait(10)
+    b = threading.Thread(target=second)
+    b.start()
+    with turns.holding(other), turns.holding(None):  # neither waits for the digest in use
+        pass
+    assert not second_in.wait(0.2)  # the same digest waits for its turn
+    release.set()
+    a.join(10)
+    b.join(10)
+    assert second_in.is_set()
