@@ -10,8 +10,15 @@ fi
 # on the CPU VM: docs/benchmarks/NOTES.md, session 5). Compiled once here; a no-op when up to date.
 "$PY" -m compileall -q -j0 /tmp/site/pydantic /tmp/site/pydantic_core /tmp/site/annotated_types \
   /tmp/site/typing_inspection "$REPO/src/vsnap" >/dev/null 2>&1 || true
-# the carried CRIU replaces an installed one built otherwise (its BUILDINFO names the patches)
+# the carried CRIU replaces an installed one built otherwise (its BUILDINFO names the patches).
+# Build it with `scripts/criu/install.sh --bundle $PWD/.carry/criu/criu-bundle.tar.gz`:
+# ../shared/device/build-criu-bundle.sh builds CRIU without our patches (0003: without it a
+# restored process that used AMX dies of SIGILL), so a bundle lacking one of them is refused.
 CRIU_WANT=$(tar xzf "$REPO/.carry/criu/criu-bundle.tar.gz" -O criu-bundle/BUILDINFO 2>/dev/null)
+for patch in "$REPO"/scripts/criu/patches/*.patch; do
+  grep -q "patch $(basename "$patch") sha256 $(sha256sum "$patch" | cut -d' ' -f1)" <<<"$CRIU_WANT" ||
+    { echo "gpu-env: .carry/criu was not built with $(basename "$patch") as it is now: scripts/criu/install.sh --bundle" >&2; exit 11; }
+done
 if [ ! -x /opt/criu-bundle/bin/criu ] || [ "$(cat /opt/criu-bundle/BUILDINFO 2>/dev/null)" != "$CRIU_WANT" ]; then
   rm -rf /opt/criu-bundle && tar xzf "$REPO/.carry/criu/criu-bundle.tar.gz" -C /opt || exit 11
 fi
