@@ -5,9 +5,10 @@ copies and the model's weight-loading code, about 6 GB/s on an H200 (and in vLLM
 reload a LoRA-wrapped model at all). This file holds every tensor of the
 sleep allocator's weights pool exactly as it sits on the GPU once loaded and processed (each
 storage whole, in address order: parameters, quantization scales, LoRA slots; see pool_tensors),
-so a restore only has to move bytes: several threads read pieces of the file into pinned host
-buffers and copy each to its tensor with an asynchronous host-to-device copy while the next piece
-is read.
+so a restore only has to move bytes: by default the GPU copies them straight from the page cache,
+page-locked piece by piece in place (dma_into); where CUDA refuses that, several threads read
+pieces of the file into pinned host buffers and copy each to its tensor with an asynchronous
+host-to-device copy while the next piece is read (buffered_into).
 
 ``WeightsFileExtension`` is mixed into vLLM's GPU worker (vLLM's ``worker_extension_cls``); the
 engine calls its methods through ``collective_rpc``. The layout (names, sizes) and views of the
@@ -147,18 +148,16 @@ def dma_into(path: Path, segments: list[Segment], targets: list[Any], *, threads
              piece: int = DMA_PIECE, held: int = DMA_HELD) -> dict[str, float]:
     """Copy the file's bytes into CUDA ``targets`` straight from the page cache: the file mapped
     read-only, each piece page-locked in place (cuMemHostRegister) and copied by the GPU's copy
-    engine, no host-side copy at all. Threads lock pieces while others' copies run; each thread
+    engine, no host-side copy at all. Threads lock pieces while others' copies run. Each thread
     holds at most ``held`` pieces locked (it waits for its oldest piece's copies and unlocks it
     before it locks another; fewer where the host's memory is short: held_within_memory), so at
-    most held x threads x piece bytes of the page cache are locked at once, and the rest are unlocked once every copy is done: the driver's locking and
-    unlocking appear to share one lock (threads that only copied beside the lockings slowed them
-    too), so unlocking between lockings slows the lockings down (measured on the
-    H200 host, 17.2 GB, scripts/weights-dma-bench.py: 4 threads holding two pieces each 0.69 to
-    0.75 s, holding 16 each 0.58 s).
+    most held x threads x piece bytes of the page cache are locked at once; the rest are
+    unlocked once every copy is done. The driver's locking and unlocking appear to share one
+    lock (threads that only copied beside the lockings slowed them too), so unlocking between
+    lockings slows them down. On the H200 host (scripts/weights-dma-bench.py, 17.2 GB from the
+    page cache): 4 threads holding 2 pieces each 0.69 to 0.75 s, holding 16 each 0.58 s, the
+    buffered path 0.83 to 0.85 s; inside an 8B restore 0.72 s.
 
-    The scheme measured on the H200 host by scripts/weights-dma-bench.py ("pieces-4", 17.2 GB from
-    the page cache; that loop kept every piece locked until the end): 0.65 s with 4 threads
-    (26.6 GB/s; locking runs ~34 GB/s, the copies 55 GB/s) against 1.05 s for the buffered path.
     Raises RegistrationRefused when this path cannot run here (no cuda-bindings, the
     file cannot be mapped, no stream, CUDA will not lock the mapping), before or after some pieces
     were copied: every copy issued has finished by then, and the caller copies everything again
