@@ -104,8 +104,9 @@ def push_image(image_dir: Path, reference: str | Reference, *, insecure: bool = 
         one_per_digest = OnePerDigest(known.values())
         with timings.phase("upload blobs"):
             def send(rel: str) -> Layer:
-                with one_per_digest.holding(known.get(rel)):
-                    layer = _send(client(), image_dir, rel, manifest, known.get(rel), counters, threads, cancel)
+                planned = known.get(rel)
+                with one_per_digest.holding(planned):
+                    layer = _send(client(), image_dir, rel, manifest, planned, counters, threads, cancel)
                 pushed.remember(layer, stats[rel])
                 failpoint("blob pushed")
                 return layer

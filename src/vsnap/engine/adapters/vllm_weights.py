@@ -175,7 +175,6 @@ def dma_into(path: Path, segments: list[Segment], targets: list[Any], *, threads
     except ImportError as exc:
         raise RegistrationRefused(f"no cuda-bindings ({exc})") from None
     ok = cu.CUresult.CUDA_SUCCESS
-    held = held_within_memory(held, min(threads, (total + piece - 1) // piece), piece)
     starts = [s.offset for s in segments]
     addresses = [t.data_ptr() for t in targets]
     ordinal = targets[0].device.index or 0
@@ -192,6 +191,8 @@ def dma_into(path: Path, segments: list[Segment], targets: list[Any], *, threads
     view = np.frombuffer(mapping, dtype=np.uint8)
     base = int(view.ctypes.data)
     pieces = (total + piece - 1) // piece
+    workers = min(threads, pieces)
+    held = held_within_memory(held, workers, piece)
     counter = itertools.count()
     stop = threading.Event()  # one thread's failure ends the others' work at their next piece
     start = time.monotonic()
@@ -250,7 +251,6 @@ def dma_into(path: Path, segments: list[Segment], targets: list[Any], *, threads
             cu.cuDevicePrimaryCtxRelease(device)
 
     try:
-        workers = min(threads, pieces)
         with ThreadPoolExecutor(max_workers=workers) as pool:
             futures = [pool.submit(worker) for _ in range(workers)]
         errors = [f.exception() for f in futures if f.exception() is not None]
