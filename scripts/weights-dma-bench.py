@@ -11,6 +11,8 @@ one GPU tensor of the file's size:
   pieces-N    N threads, each registering a piece of the mapping, copying it on its own stream,
               unregistering it (registration overlapped with other pieces' copies)
   dma-NxH     vsnap's vllm_weights.dma_into: N threads, each keeping up to H pieces locked
+  later-NxH   the same with unlock_later (a restore's way): the load until every copy is done; the
+              unlocking after it is timed apart
   pinned      a copy from host memory registered beforehand (the ceiling: what a standby holding
               its weights pinned would pay)
 Prints one line per run and a table last; --json writes the table as JSON.
@@ -77,6 +79,24 @@ def run_dma(path: Path, target, reference, threads: int, held: int) -> tuple[flo
     if not torch.equal(target, reference):
         raise RuntimeError("the GPU's copy differs from the file")
     return result["weights_load_s"], f"({result['weights_registered_pieces']:.0f} pieces locked)"
+
+
+def run_dma_later(path: Path, target, reference, threads: int, held: int) -> tuple[float, float]:
+    """dma_into with unlock_later (what a restore does): the load's time, then the unlocking's."""
+    import torch
+
+    from vsnap.engine.adapters.vllm_weights import Segment, dma_into
+
+    size = path.stat().st_size
+    target.zero_()
+    torch.cuda.synchronize()
+    handed: list = []
+    result = dma_into(path, [Segment("all", 0, size, "torch.uint8", (size,))], [target], threads=threads, held=held,
+                      unlock_later=handed.append)
+    released = handed[0].release() if handed else {"unlock_s": 0.0}
+    if not torch.equal(target, reference):
+        raise RuntimeError("the GPU's copy differs from the file")
+    return result["weights_load_s"], released["unlock_s"]
 
 
 def run_register(path: Path, target) -> tuple[float, float, float]:
@@ -212,6 +232,12 @@ def main() -> int:
         for threads, held in DMA_SPLITS:
             attempt(f"dma-{threads}x{held}",
                     lambda: note(f"dma-{threads}x{held}", *run_dma(args.file, target, reference, threads, held)))
+        for threads, held in ((4, 16), (2, 16)):
+            def later(threads: int = threads, held: int = held) -> None:
+                load, unlock = run_dma_later(args.file, target, reference, threads, held)
+                note(f"later-{threads}x{held}", load, f"(then unlocking {unlock:.3f} s)")
+                results.setdefault(f"later-{threads}x{held}: unlocking", []).append(unlock)
+            attempt(f"later-{threads}x{held}", later)
         attempt("pinned", lambda: note("pinned", run_pinned(size, target)))
     table = {name: statistics.median(v) for name, v in results.items()}
     print(f"\n{size / 1e9:.2f} GB, medians of {args.runs}:")

@@ -54,3 +54,19 @@ def test_stream_into_takes_dma_by_default(tmp_path: Path, monkeypatch: pytest.Mo
     result = stream_into(path, _layout(sizes), targets)
     assert result["weights_registered_pieces"] >= 1
     assert b"".join(bytes(t.cpu().numpy()) for t in targets) == data
+
+
+def test_unlock_later_leaves_the_pieces_locked_until_released(tmp_path: Path) -> None:
+    sizes = [(3 << 20) + 5, 4096, (1 << 20) - 3]
+    data = os.urandom(sum(sizes))
+    path = tmp_path / "rank0.bin"
+    path.write_bytes(data)
+    targets = [torch.zeros(n, dtype=torch.uint8, device="cuda") for n in sizes]
+    handed: list = []
+    result = dma_into(path, _layout(sizes), targets, threads=2, piece=1 << 20, held=16, unlock_later=handed.append)
+    assert b"".join(bytes(t.cpu().numpy()) for t in targets) == data
+    [pages] = handed
+    assert pages.pieces == result["weights_unlocked_later_pieces"] == result["weights_registered_pieces"] == 5
+    assert str(path) in Path("/proc/self/maps").read_text()  # still mapped: its pages are locked
+    assert pages.release(pause_s=0.001)["unlocked_pieces"] == 5
+    assert str(path) not in Path("/proc/self/maps").read_text()

@@ -233,8 +233,9 @@ def test_sleep_disconnects_first_and_wake_rebuilds_last() -> None:
     asyncio.run(a._sleep())
     times = asyncio.run(a._wake(None))
     assert [c[0] for c in engine.calls] == [
-        "vsnap_tp_disconnect", "vsnap_before_sleep", "sleep", "vsnap_release_memory",
-        "wake_up", "reload_weights", "wake_up", "vsnap_tp_reconnect", "vsnap_recapture_graphs"]
+        "vsnap_unlock_weights_file", "vsnap_tp_disconnect", "vsnap_before_sleep", "sleep", "vsnap_release_memory",
+        "vsnap_restore_stack_limit", "wake_up", "reload_weights", "wake_up", "vsnap_tp_reconnect",
+        "vsnap_recapture_graphs"]
     timeouts = dict(engine.calls)
     assert timeouts["vsnap_tp_disconnect"] == vllm.DISCONNECT_TIMEOUT_S
     assert timeouts["vsnap_tp_reconnect"] == vllm.RECONNECT_TIMEOUT_S
@@ -247,7 +248,9 @@ def test_one_rank_without_the_opt_in_calls_exactly_what_it_did() -> None:
     a = adapter(1, False, engine)
     asyncio.run(a._sleep())
     times = asyncio.run(a._wake(None))
-    assert [c[0] for c in engine.calls] == ["vsnap_before_sleep", "sleep", "vsnap_release_memory", "wake_up",
+    # the weights file unlocked before the sleep, the stack limit put back before the wake: nothing of NCCL
+    assert [c[0] for c in engine.calls] == ["vsnap_unlock_weights_file", "vsnap_before_sleep", "sleep",
+                                            "vsnap_release_memory", "vsnap_restore_stack_limit", "wake_up",
                                             "reload_weights", "wake_up"]
     assert "nccl_init_s" not in times and "graph_capture_s" not in times
 

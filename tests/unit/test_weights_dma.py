@@ -252,3 +252,39 @@ def test_held_pieces_stay_within_half_of_the_available_memory(tmp_path: Path, av
     # 4 threads x 512 MiB: 64 GiB available allows 16 each, 12 GiB allows 3, 8 GiB the least (2)
     assert vllm_weights.held_within_memory(16, 4, 512 << 20, meminfo) == want
     assert vllm_weights.held_within_memory(16, 4, 512 << 20, tmp_path / "absent") == 2
+
+
+@pytest.mark.parametrize("threads,held", [(2, 16), (3, 2)])
+def test_unlock_later_keeps_the_last_pieces_locked_until_released(
+        monkeypatch: pytest.MonkeyPatch, weights: tuple[Path, list[int], bytes], threads: int, held: int) -> None:
+    path, sizes, data = weights
+    driver = FakeDriver()
+    _install(monkeypatch, driver)
+    targets = [FakeTarget(n) for n in sizes]
+    handed: list[vllm_weights.LockedPages] = []
+    result = dma_into(path, _layout(sizes), targets, threads=threads, piece=PAGE, held=held, unlock_later=handed.append)
+    assert b"".join(t.bytes() for t in targets) == data
+    pieces = -(-len(data) // PAGE)
+    [pages] = handed
+    # every piece no thread had to unlock to stay within `held` is still locked, and the file still mapped
+    # how the pieces fell between the threads decides how many each still holds: at most `held`
+    # each, and the busiest thread's last `held`
+    assert len(driver.locked) == pages.pieces == result["weights_unlocked_later_pieces"]
+    assert min(held, pieces) <= pages.pieces <= threads * held
+    assert driver.unlocks == pieces - pages.pieces and _mapped(path)
+    kept = pages.pieces
+    assert pages.release(pause_s=0.001)["unlocked_pieces"] == kept
+    assert driver.locked == {} and driver.unlocks == pieces and driver.contexts == 0 and not _mapped(path)
+    assert pages.release() == {}  # once only
+
+
+def test_unlock_later_is_not_called_when_a_copy_fails(monkeypatch: pytest.MonkeyPatch,
+                                                      weights: tuple[Path, list[int], bytes]) -> None:
+    path, sizes, _ = weights
+    driver = FakeDriver(fail_copy_at=9)
+    _install(monkeypatch, driver)
+    handed: list[vllm_weights.LockedPages] = []
+    with pytest.raises(RuntimeError, match="to the GPU"):
+        dma_into(path, _layout(sizes), [FakeTarget(n) for n in sizes], threads=2, piece=PAGE, held=16,
+                 unlock_later=handed.append)
+    assert handed == [] and driver.locked == {} and driver.contexts == 0 and not _mapped(path)

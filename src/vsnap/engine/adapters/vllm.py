@@ -116,6 +116,7 @@ class VllmAdapter(EngineAdapter):
         self.cuda = True
         self.tp = 1  # tensor_parallel_size: worker processes, one GPU each
         self.recapture = False  # drop CUDA graphs and NCCL before each sleep, rebuild after each wake
+        self._unlocking: asyncio.Task[None] | None = None  # the weights file's unlocking, once serving
 
     async def build(self) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -197,6 +198,8 @@ class VllmAdapter(EngineAdapter):
         tensor parallelism (or the one-rank opt-in) the workers first drop their CUDA graphs and
         NCCL communicators, awake (vllm_tp)."""
         ours = self.args.worker_extension_cls == vllm_weights.EXTENSION
+        if ours:  # no page of the weights file may stay locked into the checkpoint
+            await self._rpc("vsnap_unlock_weights_file", False)
         disconnected = await self._rpc("vsnap_tp_disconnect", timeout=DISCONNECT_TIMEOUT_S) if self.recapture else {}
         if disconnected:
             print(f"vsnap: disconnected: {_report(disconnected)}", flush=True)
@@ -235,6 +238,8 @@ class VllmAdapter(EngineAdapter):
         """Wake the weights, refill them, wake the KV cache. From the weights file, the KV cache
         is woken while the weights stream in (the file's bytes need no allocation)."""
         times: dict[str, Any] = {}
+        if self.args.worker_extension_cls == vllm_weights.EXTENSION:  # before any kernel runs
+            times.update(await self._rpc("vsnap_restore_stack_limit"))
         start = time.monotonic()
         await self.engine.wake_up(tags=["weights"])
         times["wake_weights_s"] = time.monotonic() - start
@@ -367,6 +372,8 @@ class VllmAdapter(EngineAdapter):
 
         host, port = sock.getsockname()[:2]
         self.args.host, self.args.port = host, port
+        if self.cuda and self.args.worker_extension_cls == vllm_weights.EXTENSION:
+            self._unlocking = asyncio.get_running_loop().create_task(self._unlock_weights_file())
         if self.app is not None:
             asyncio.get_running_loop().create_task(self._report_started(time.monotonic()))
         if self.app is None:
@@ -381,6 +388,15 @@ class VllmAdapter(EngineAdapter):
                 ssl_ciphers=args.ssl_ciphers, h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
                 h11_max_header_count=args.h11_max_header_count)
         await shutdown
+
+    async def _unlock_weights_file(self) -> None:
+        """The weights file's pages the wake left locked, unlocked in the workers' background,
+        beside the first requests (vsnap_unlock_weights_file). A failure is said, not raised: the
+        pages stay locked until the engine exits."""
+        try:
+            await self._rpc("vsnap_unlock_weights_file", True)
+        except Exception as exc:
+            print(f"vsnap: could not unlock the weights file ({type(exc).__name__}: {exc})", flush=True)
 
     async def _report_started(self, since: float) -> None:
         """Log when uvicorn accepts requests (the "http_start" part of a restore's serve phase)."""

@@ -39,6 +39,7 @@ THREADS = 8  # readers (H200 host, 8B: 8 read 17.6 GB/s from the page cache, 12 
 DMA_THREADS = 4  # dma_into's threads (H200 host, 17.2 GB: 4 and 8 both ~26 GB/s, bound by page-locking)
 DMA_PIECE = 512 << 20  # bytes page-locked and copied at a time by one of them
 DMA_HELD = 16  # pieces each thread keeps locked before it unlocks its oldest (4 x 16 x 512 MiB: 32 GiB at most)
+UNLOCK_PAUSE_S = 0.02  # between two pieces unlocked once the server serves: its launches take the driver's lock between them
 DMA_ENV = "VSNAP_WEIGHTS_DMA"  # "0" in the capture's environment: the buffered path only (default: dma_into first)
 EXTENSION = f"{__name__}.WeightsFileExtension"
 # The CUDA graph pool's allocations in vLLM's sleep-mode allocator carry the KV cache's tag: vLLM
@@ -145,7 +146,8 @@ def _overlaps(starts: list[int], segments: list[Segment], lo: int, hi: int) -> l
 
 
 def dma_into(path: Path, segments: list[Segment], targets: list[Any], *, threads: int = DMA_THREADS,
-             piece: int = DMA_PIECE, held: int = DMA_HELD) -> dict[str, float]:
+             piece: int = DMA_PIECE, held: int = DMA_HELD,
+             unlock_later: Callable[[LockedPages], None] | None = None) -> dict[str, float]:
     """Copy the file's bytes into CUDA ``targets`` straight from the page cache: the file mapped
     read-only, each piece page-locked in place (cuMemHostRegister) and copied by the GPU's copy
     engine, no host-side copy at all. Threads lock pieces while others' copies run. Each thread
@@ -157,6 +159,11 @@ def dma_into(path: Path, segments: list[Segment], targets: list[Any], *, threads
     lockings slows them down. On the H200 host (scripts/weights-dma-bench.py, 17.2 GB from the
     page cache): 4 threads holding 2 pieces each 0.69 to 0.75 s, holding 16 each 0.58 s, the
     buffered path 0.83 to 0.85 s; inside an 8B restore 0.72 s.
+
+    With ``unlock_later``, the pieces still locked once every copy is done are not unlocked here:
+    they are handed, with the file's mapping, to ``unlock_later`` as one LockedPages, whose
+    release() the caller runs when the driver's lock is not on its critical path (a restore: once
+    the server serves). On any failure everything is unlocked here, as without it.
 
     Raises RegistrationRefused when this path cannot run here (no cuda-bindings, the
     file cannot be mapped, no stream, CUDA will not lock the mapping), before or after some pieces
@@ -195,6 +202,8 @@ def dma_into(path: Path, segments: list[Segment], targets: list[Any], *, threads
     held = held_within_memory(held, workers, piece)
     counter = itertools.count()
     stop = threading.Event()  # one thread's failure ends the others' work at their next piece
+    kept: list[tuple[int, Any]] = []  # pieces left locked for unlock_later, their copies done
+    kept_lock = threading.Lock()
     start = time.monotonic()
 
     def worker() -> int:
@@ -244,12 +253,18 @@ def dma_into(path: Path, segments: list[Segment], targets: list[Any], *, threads
         finally:
             if stream is not None:
                 cu.cuStreamSynchronize(stream)  # no copy may still read a piece once it is unlocked
-            for address, event in locked:
-                _unlock(cu, address, event)
+            if unlock_later is not None and not stop.is_set():
+                with kept_lock:
+                    kept.extend(locked)
+            else:
+                for address, event in locked:
+                    _unlock(cu, address, event)
             if stream is not None:
                 cu.cuStreamDestroy(stream)
             cu.cuDevicePrimaryCtxRelease(device)
 
+    locked_pages = LockedPages(ordinal, mapping, view, kept)
+    del view
     try:
         with ThreadPoolExecutor(max_workers=workers) as pool:
             futures = [pool.submit(worker) for _ in range(workers)]
@@ -257,12 +272,70 @@ def dma_into(path: Path, segments: list[Segment], targets: list[Any], *, threads
         if errors:  # a failed copy before a refusal: it is the one to report
             raise next((e for e in errors if not isinstance(e, RegistrationRefused)), errors[0])
         done = sum(f.result() for f in futures)
-    finally:
-        del view
-        mapping.close()
+    except BaseException:
+        locked_pages.release()  # what finished threads kept; the mapping goes with it
+        raise
     seconds = time.monotonic() - start
+    if unlock_later is None:
+        locked_pages.release()
+    else:
+        unlock_later(locked_pages)
     return {"weights_bytes": float(total), "weights_load_s": seconds, "weights_gb_per_s": total / max(seconds, 1e-9) / 1e9,
-            "weights_registered_pieces": float(done)}
+            "weights_registered_pieces": float(done), "weights_unlocked_later_pieces": float(len(kept))}
+
+
+class LockedPages:
+    """Pieces of a mapped weights file that dma_into left page-locked after their copies were done,
+    and the mapping itself. release() unlocks them (one at a time, ``pause_s`` apart, so that
+    the driver's lock is free between them) and unmaps the file; a second call does nothing."""
+
+    def __init__(self, ordinal: int, mapping: mmap.mmap, view: Any, pieces: list[tuple[int, Any]]) -> None:
+        self._ordinal, self._mapping, self._view, self._pieces = ordinal, mapping, view, pieces
+        self._lock = threading.Lock()
+
+    @property
+    def pieces(self) -> int:
+        return len(self._pieces)
+
+    def release(self, pause_s: float = 0.0) -> dict[str, float]:
+        with self._lock:
+            if self._mapping is None:
+                return {}
+            start, count = time.monotonic(), len(self._pieces)
+            try:
+                if self._pieces:
+                    self._unlock_all(pause_s)
+            finally:
+                self._view = None
+                self._mapping.close()
+                self._mapping = None
+            return {"unlocked_pieces": float(count), "unlock_s": time.monotonic() - start}
+
+    def _unlock_all(self, pause_s: float) -> None:
+        from cuda.bindings import driver as cu
+
+        err, device = cu.cuDeviceGet(self._ordinal)
+        err2, context = cu.cuDevicePrimaryCtxRetain(device) if err == cu.CUresult.CUDA_SUCCESS else (err, None)
+        if err2 != cu.CUresult.CUDA_SUCCESS:  # should not happen (torch holds the context); the pages stay locked
+            warnings.warn(f"vsnap: no CUDA context to unlock the weights file with: {err2}", stacklevel=1)
+            return
+        try:
+            cu.cuCtxSetCurrent(context)
+            while self._pieces:
+                address, event = self._pieces.pop(0)
+                _unlock(cu, address, event)
+                if pause_s and self._pieces:
+                    time.sleep(pause_s)
+        finally:
+            cu.cuDevicePrimaryCtxRelease(device)
+
+
+def _release_all(locked: list[LockedPages], pause_s: float) -> dict[str, float]:
+    totals = {"unlocked_pieces": 0.0, "unlock_s": 0.0}
+    for pages in locked:
+        for key, value in pages.release(pause_s).items():
+            totals[key] = totals.get(key, 0.0) + value
+    return totals
 
 
 def _unlock(cu: Any, address: int, event: Any) -> None:
@@ -276,14 +349,15 @@ def _unlock(cu: Any, address: int, event: Any) -> None:
 
 
 def stream_into(path: Path, segments: list[Segment], targets: list[Any], *, threads: int = THREADS,
-                chunk: int = CHUNK) -> dict[str, float]:
+                chunk: int = CHUNK, unlock_later: Callable[[LockedPages], None] | None = None) -> dict[str, float]:
     """Copy the file's bytes into ``targets`` (flat uint8 tensors, one per segment): CUDA tensors
-    from the page-locked page cache (dma_into; where CUDA refuses that, or with DMA_ENV=0 in the
-    engine's environment, through pinned buffers and asynchronous copies); CPU tensors by plain
-    copies. 8B on the H200, inside a restore: 0.72 s by dma_into, 0.90 s buffered (NOTES.md)."""
+    from the page-locked page cache (dma_into, which hands its locked pages to ``unlock_later``
+    if given; where CUDA refuses that, or with DMA_ENV=0 in the engine's environment, through
+    pinned buffers and asynchronous copies); CPU tensors by plain copies. 8B on the H200, inside
+    a restore: 0.72 s by dma_into, 0.90 s buffered (NOTES.md)."""
     if targets and targets[0].device.type == "cuda" and os.environ.get(DMA_ENV) != "0":
         try:
-            return dma_into(path, segments, targets)
+            return dma_into(path, segments, targets, unlock_later=unlock_later)
         except RegistrationRefused as refused:
             warnings.warn(f"vsnap: {refused}; copying through pinned buffers", stacklevel=1)
             return {**buffered_into(path, segments, targets, threads=threads, chunk=chunk), "weights_dma_refused": 1.0}
@@ -637,8 +711,36 @@ class WeightsFileExtension(TensorParallelExtension):
             if p.is_cuda and in_pool(storage.data_ptr()) and held.get(storage.data_ptr()) != storage.nbytes():
                 raise RuntimeError(f"the model's parameters changed since the weights file was written ({name})")
         path = Path(directory) / file_name(self._vsnap_rank())
+        self.vsnap_unlock_weights_file(background=False)  # nothing should be left locked; if it is, not twice
+        locked: list[LockedPages] = []
+        self._vsnap_locked = locked
         pool = ThreadPoolExecutor(max_workers=1)
-        self._vsnap_loading = (pool, pool.submit(stream_into, path, saved, self._vsnap_targets))
+        self._vsnap_loading = (pool, pool.submit(stream_into, path, saved, self._vsnap_targets,
+                                                 unlock_later=locked.append))
+
+    def vsnap_unlock_weights_file(self, background: bool) -> dict[str, float]:
+        """Unlock the weights file's pages that the last load left locked (dma_into's
+        unlock_later): unlocking takes the driver's lock, so a restore does it once the server
+        serves, in a thread of its own, piece by piece (``background``); before a sleep (and so
+        before any checkpoint) it is done at once. A background unlocking still running is waited
+        for first."""
+        running: threading.Thread | None = getattr(self, "_vsnap_unlocking", None)
+        if running is not None:
+            running.join()
+            self._vsnap_unlocking = None
+        locked: list[LockedPages] = getattr(self, "_vsnap_locked", [])
+        self._vsnap_locked = []
+        if not locked:
+            return {}
+        if not background:
+            return _release_all(locked, 0.0)
+
+        def unlock() -> None:
+            print(f"vsnap: weights file unlocked: {_release_all(locked, UNLOCK_PAUSE_S)}", flush=True)
+
+        self._vsnap_unlocking = threading.Thread(target=unlock, name="vsnap-unlock-weights", daemon=True)
+        self._vsnap_unlocking.start()
+        return {"unlocking_pieces": float(sum(p.pieces for p in locked))}
 
     def vsnap_refresh_weights(self, directory: str) -> dict[str, float]:
         """Rewrite, in place, the file's pieces whose tensors changed since it was written (the
@@ -697,7 +799,18 @@ class WeightsFileExtension(TensorParallelExtension):
         release_heap()  # first: a collected tensor's block can then be returned
         torch.cuda.empty_cache()
         stack = lower_stack_limit() if os.environ.get(STACK_ENV) == "lower" else {}
+        if "stack_limit_was" in stack:
+            self._vsnap_stack_limit = int(stack["stack_limit_was"])
         return {**device_memory_report(), **stack, "freed_bytes": float(start - _device_used())}
+
+    def vsnap_restore_stack_limit(self) -> dict[str, float]:
+        """At a wake, before any kernel runs: the stack limit vsnap_release_memory lowered goes
+        back to what it was when the CUDA graphs were captured (their kernels do not grow it)."""
+        limit: int | None = getattr(self, "_vsnap_stack_limit", None)
+        if limit is None:
+            return {}
+        self._vsnap_stack_limit = None
+        return set_stack_limit(limit)
 
 
 def lower_stack_limit() -> dict[str, float]:
@@ -706,14 +819,13 @@ def lower_stack_limit() -> dict[str, float]:
     The CUDA context reserves stack for every thread the GPU can hold resident (1 KiB by default x
     2048 threads x 132 SMs on an H200: 277 MB of a bare context's 651 MB), and that memory is
     copied to the host by the CUDA checkpoint, written and read by CRIU, and copied back at every
-    restore. With the limit at 0 the driver should grow the reservation again at the first launch
-    that needs stack.
+    restore. Every wake sets the limit back before any kernel runs (set_stack_limit, through the
+    worker's vsnap_restore_stack_limit), so the graphs replay with the stack they were captured
+    with: lowered and left at 0, the 8B's rehearsal failed at its first request after the wake
+    with "CUDA error: unspecified launch failure" (H200, vLLM 0.26, 2026-12-01; kernels replayed
+    from CUDA graphs do not grow the stack as plain launches do).
 
-    Off unless ``VSNAP_CUDA_STACK=lower`` is in the environment of `vsnap capture`: on the H200
-    (8B shape, vLLM 0.26, 2026-12-01) the rehearsal's first request after it failed with "CUDA
-    error: unspecified launch failure" (the capture failed before anything was written: the
-    rehearsal did its job). Likely why (not verified): kernels replayed from CUDA graphs do not
-    grow the stack as plain launches do.
+    Off unless ``VSNAP_CUDA_STACK=lower`` is in the environment of `vsnap capture`.
     """
     try:
         from cuda.bindings import driver as cu
@@ -728,6 +840,21 @@ def lower_stack_limit() -> dict[str, float]:
     if int(result) != 0:
         return {}
     return {"stack_limit_was": float(value), "stack_freed_bytes": float(before - _device_used())}
+
+
+def set_stack_limit(value: int) -> dict[str, float]:
+    """Set the current context's per-thread stack limit back to ``value`` (lower_stack_limit's
+    ``stack_limit_was``); a refusal is an error: kernels replayed from graphs could then fault."""
+    import torch
+    from cuda.bindings import driver as cu
+
+    torch.cuda.synchronize()  # the device's primary context current on this thread
+    start = time.monotonic()
+    (result,) = cu.cuCtxSetLimit(cu.CUlimit.CU_LIMIT_STACK_SIZE, value)
+    if int(result) != 0:
+        raise RuntimeError(f"cuCtxSetLimit(CU_LIMIT_STACK_SIZE, {value}): {result}")
+    return {"stack_limit": float(value), "stack_restore_s": time.monotonic() - start}
+
 
 def _device_used() -> int:
     import torch
