@@ -7,9 +7,10 @@ if [ ! -d /tmp/site/vllm ]; then
 fi
 # The carry holds no bytecode: a vsnap command imports pydantic from it before its first phase, and
 # where PYTHONDONTWRITEBYTECODE is set each command compiles it again (+890 M instructions, ~0.37 s
-# on the CPU VM: docs/benchmarks/NOTES.md, session 5). Compiled once here; a no-op when up to date.
-"$PY" -m compileall -q -j0 /tmp/site/pydantic /tmp/site/pydantic_core /tmp/site/annotated_types \
-  /tmp/site/typing_inspection "$REPO/src/vsnap" >/dev/null 2>&1 || true
+# on the CPU VM: docs/benchmarks/NOTES.md, session 5). Compiled once here, all of it as pip's install
+# would (until session 10 only pydantic's packages were: typing_extensions.py, a single module, cost
+# each 8B restore command 41 ms); a no-op when up to date.
+"$PY" -m compileall -q -j0 /tmp/site "$REPO/src/vsnap" >/dev/null 2>&1 || true
 # the carried CRIU replaces an installed one built otherwise (its BUILDINFO names the patches).
 # Build it with `scripts/criu/install.sh --bundle $PWD/.carry/criu/criu-bundle.tar.gz`:
 # ../shared/device/build-criu-bundle.sh builds CRIU without our patches (0003: without it a

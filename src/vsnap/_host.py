@@ -298,23 +298,24 @@ def compare_facts(recorded: HostFacts, current: HostFacts, *, engine: str, cuda:
     return differences
 
 
-def current_facts(manifest: Manifest) -> HostFacts:
+def current_facts(manifest: Manifest, gpus: Future[tuple[str | None, str, list[dict]]] | None = None) -> HostFacts:
     """This host's facts as a restore of ``manifest`` compares them (CRIU's version is left empty
-    when CRIU cannot run: the CRIU check reports that)."""
+    when CRIU cannot run: the CRIU check reports that). ``gpus``: the GPUs' facts (_cuda.gpu_facts)
+    being read elsewhere, so the driver is asked once."""
     try:
         criu = ".".join(map(str, CriuRunner.locate().version()))
     except VsnapError:
         criu = ""
     packages, torch = engine_packages(manifest.engine), package_version("torch")
     vllm = vllm_version() if manifest.engine == "vllm" else None
-    driver, cuda, gpus = None, None, []
+    driver, cuda, found = None, None, []
     if manifest.engine == "vllm" and manifest.cuda_processes:  # last: the CUDA driver may still be starting
         from ._cuda import gpu_facts
 
-        driver, cuda, gpus = gpu_facts()
+        driver, cuda, found = gpus.result() if gpus is not None else gpu_facts()
     return HostFacts(hostname=socket.gethostname(), kernel=platform.release(), arch=platform.machine(), criu=criu,
                      python=platform.python_version(), torch=torch, vllm=vllm, vsnap=vsnap_version(),
-                     driver=driver, cuda=cuda, gpus=gpus, packages=packages)
+                     driver=driver, cuda=cuda, gpus=found, packages=packages)
 
 
 def dependency_mismatches(dependencies: list[Dependency], *, hash_files: bool, cache_root: Path | None = None,

@@ -85,6 +85,24 @@ def test_choose_gpus_for_one_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _restore.choose_gpus(manifest, None)[0]["uuid"] == U("a")  # the captured one first
 
 
+def test_the_gpus_facts_are_read_once_for_the_host_check_and_the_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    from concurrent.futures import Future
+
+    from vsnap import _cuda, _host, _restore
+
+    def driver_asked_again() -> None:
+        raise AssertionError("gpu_facts called although its future was given")
+
+    monkeypatch.setattr(_cuda, "gpu_facts", driver_asked_again)
+    monkeypatch.setattr(_cuda, "gpu_free_memory", lambda: {U("a"): 90})
+    read: Future = Future()
+    read.set_result(("580.1", "13.0", [{"index": 0, "name": "NVIDIA H200", "uuid": U("a"), "memory_bytes": 100}]))
+    manifest = _manifest_with_gpu(50)
+    assert _restore.choose_gpus(manifest, None, read)[0]["uuid"] == U("a")
+    facts = _host.current_facts(manifest, read)
+    assert (facts.driver, facts.cuda, [g["uuid"] for g in facts.gpus]) == ("580.1", "13.0", [U("a")])
+
+
 class FakeDriver:
     """The driver's checkpoint calls over an in-memory state per pid; restore waits until every
     process is being restored at once (or times out), which only the parallel path achieves."""
@@ -317,3 +335,32 @@ def test_a_standby_with_gpu_is_refused_in_one_line_however_long_the_gpu_argument
         with pytest.raises(UnsupportedOption, match="a standby holds no GPU") as info:
             _restore.restore_image(Path("/nonexistent"), gpu=requested, standby=True)
         assert "\n" not in info.value.message and len(info.value.message) < 200, info.value.message
+
+
+def test_the_driver_starts_early_once_and_keeps_its_failure(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    from vsnap import _cuda, _gpu_early, _restore
+    from vsnap.protocol.errors import HostNotReady
+
+    monkeypatch.setattr(_gpu_early, "_facts", None)
+    monkeypatch.setattr(_gpu_early, "NVIDIA_CONTROL", str(tmp_path / "absent"))
+    _gpu_early.start()
+    assert _gpu_early.facts() is None  # no NVIDIA driver: nothing started
+
+    control = tmp_path / "nvidiactl"
+    control.touch()
+    monkeypatch.setattr(_gpu_early, "NVIDIA_CONTROL", str(control))
+    calls = []
+    monkeypatch.setattr(_cuda, "gpu_facts", lambda: calls.append(1) or ("580", "13.0", []))
+    _gpu_early.start()
+    _gpu_early.start()  # once per process
+    assert _gpu_early.facts().result(timeout=10) == ("580", "13.0", [])
+    assert _restore._gpu_facts() == ("580", "13.0", []) and calls == [1]  # the verify phase takes them
+
+    def no_bindings() -> None:
+        raise HostNotReady("cuda", "cuda-bindings is not installed")
+
+    monkeypatch.setattr(_gpu_early, "_facts", None)
+    monkeypatch.setattr(_cuda, "gpu_facts", no_bindings)
+    _gpu_early.start()
+    with pytest.raises(HostNotReady, match="cuda-bindings"):  # raised where the facts are needed, not before
+        _restore._gpu_facts()

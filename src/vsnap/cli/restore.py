@@ -35,6 +35,9 @@ def restore(
                                                           "memory only, until `vsnap activate INSTANCE`"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON document on stdout"),
 ) -> None:
+    from .. import _gpu_early
+
+    _gpu_early.start()  # the CUDA driver starts while the restore path is imported
     from .. import _restore  # here, not at import: every vsnap command loads every command module
     from ..protocol.errors import EngineError
     from .._proctree import seconds_since_start
