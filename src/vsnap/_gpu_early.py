@@ -2,7 +2,11 @@
 start() first thing, so the driver's start (cuInit, ~0.07 s on an H200 host) runs on a thread of its
 own while the interpreter imports the restore path, and the verify phase takes the GPUs' facts
 from facts() instead of asking the driver again. Nothing is decided here: a failure (no GPU, no
-cuda-bindings) is kept in the future and raised only where the facts are needed."""
+cuda-bindings) is kept in the future and raised only where the facts are needed.
+
+On a host with an NVIDIA driver this starts the driver in every restore command, also one of an
+image without CUDA state (the command then holds /dev/nvidiactl open, as a CUDA image's restore
+always did); the image is not read before the imports, so which it is is not known yet."""
 
 from __future__ import annotations
 
@@ -23,8 +27,11 @@ def start() -> None:
     with _lock:
         if _facts is not None or not os.path.exists(NVIDIA_CONTROL):
             return
-        _facts = Future()
-    threading.Thread(target=_read, args=(_facts,), name="vsnap-gpu-facts", daemon=True).start()
+        _facts = future = Future()
+    try:
+        threading.Thread(target=_read, args=(future,), name="vsnap-gpu-facts", daemon=True).start()
+    except BaseException as exc:  # no thread (RuntimeError: can't start new thread): never left pending
+        future.set_exception(exc)
 
 
 def facts() -> Future[tuple[str | None, str, list[dict[str, Any]]]] | None:

@@ -25,9 +25,8 @@ import time
 from pathlib import Path, PurePosixPath
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
-
 from .protocol import control
+from .protocol.records import Record
 from ._proctree import ProcessIdentity, identify, is_same
 from ._shm import remove_instance_shm, remove_orphans, shm_dir_of
 from ._mounts import mount_roots
@@ -39,10 +38,8 @@ from ._trust import make_trusted_dirs
 STOP_REQUEST = "stop.request"  # written into a restoring instance's directory by `vsnap stop`
 
 
-class ProcessRef(BaseModel):
+class ProcessRef(Record):
     """A recorded ProcessIdentity."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     pid: int
     start_time: int
@@ -63,9 +60,7 @@ def this_process() -> ProcessRef:
     return ProcessRef.of(identity)
 
 
-class InstanceRecord(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class InstanceRecord(Record):
     id: str
     image: str
     name: str
@@ -198,11 +193,9 @@ def uptime(record: InstanceRecord) -> float:
     return time.time() - record.started_at
 
 
-class CaptureRecord(BaseModel):
+class CaptureRecord(Record):
     """A capture in progress: what to remove if its vsnap process dies without cleaning up (a
     staging directory full of process memory, the tree's /dev/shm directory)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     id: str
     owner: ProcessRef

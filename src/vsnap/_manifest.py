@@ -10,11 +10,10 @@ import stat
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-
 from .protocol.control import PROTOCOL_VERSION, LaunchConfig
 from .protocol.errors import ImageError, ImageFormatError, ImageIncompatible
 from .protocol.oracle import Oracle
+from .protocol.records import Record, RecordError, field
 
 # 2: protocol_version and vsnap_version recorded; the launch settings are the manifest's own model
 FORMAT_VERSION = 2
@@ -33,8 +32,9 @@ CAPTURED = "captured"  # Manifest.origin of an image made by `vsnap capture`
 GPU_UUID = re.compile(r"GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 
-class _Frozen(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class _Frozen(Record):
+    """Frozen, and read only if it has exactly its fields (protocol.records: no pydantic, which
+    every restore would import before its first phase)."""
 
 
 PIECES_SCHEME = "sha256-of-64MiB-pieces"
@@ -70,10 +70,10 @@ class HostFacts(_Frozen):
     vsnap: str
     driver: str | None = None
     cuda: str | None = None
-    gpus: list[dict[str, Any]] = Field(default_factory=list)
+    gpus: list[dict[str, Any]] = field(default_factory=list)
     # versions of the other Python distributions the engine loads (_host.ENGINE_PACKAGES), those
     # installed at capture; optional: an image captured before the field compares none of them
-    packages: dict[str, str] = Field(default_factory=dict)
+    packages: dict[str, str] = field(default_factory=dict)
 
 
 class ImageLaunch(_Frozen):
@@ -83,7 +83,7 @@ class ImageLaunch(_Frozen):
     engine: str
     model: str
     served_model_name: str
-    serve_args: dict[str, Any] = Field(default_factory=dict)
+    serve_args: dict[str, Any] = field(default_factory=dict)
     oracle_prompts: list[str]
     oracle_max_tokens: int
     oracle_top_k: int
@@ -93,7 +93,7 @@ class ImageLaunch(_Frozen):
 
     @classmethod
     def of(cls, launch: LaunchConfig) -> "ImageLaunch":
-        return cls(**launch.model_dump(include=set(cls.model_fields)))
+        return cls(**launch.model_dump(include=set(cls.field_names())))
 
 
 class Manifest(_Frozen):
@@ -112,18 +112,18 @@ class Manifest(_Frozen):
     oracle: Oracle
     host: HostFacts
     externals: dict[str, str]          # CRIU mount key -> mount point
-    shm_files: list[str] = Field(default_factory=list)  # link-remap files to put back in the tree's /dev/shm
+    shm_files: list[str] = field(default_factory=list)  # link-remap files to put back in the tree's /dev/shm
     cuda_processes: int = 0            # processes whose CUDA state was checkpointed
     # vllm: tensor_parallel_size (one worker process per GPU) and the GPUs the ranks ran on, in rank
     # order (CUDA ordinal order inside the tree). Optional: an image captured before the fields is
     # one rank on host.gpus[0] (captured_gpus).
-    tensor_parallel_size: int = Field(default=1, ge=1, le=8, strict=True)
-    gpu_uuids: list[str] = Field(default_factory=list)
+    tensor_parallel_size: int = field(default=1, ge=1, le=8)
+    gpu_uuids: list[str] = field(default_factory=list)
     gpu_memory_required: int | None = None  # free GPU memory a restore needs (vLLM's share once awake)
-    dependencies: list[Dependency] = Field(default_factory=list)
-    timings: dict[str, float] = Field(default_factory=dict)
-    sizes: dict[str, int] = Field(default_factory=dict)
-    processes: list[dict[str, Any]] = Field(default_factory=list)  # pid, command, anonymous_bytes at the dump
+    dependencies: list[Dependency] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+    sizes: dict[str, int] = field(default_factory=dict)
+    processes: list[dict[str, Any]] = field(default_factory=list)  # pid, command, anonymous_bytes at the dump
     files: dict[str, FileEntry]        # every other file of the image, relative path -> size and sha256
     # where the image came from: "captured" (by `vsnap capture` on this or another host), or the
     # registry reference `vsnap pull` fetched it from (REGISTRY/REPOSITORY:TAG or ...@sha256:DIGEST).
@@ -131,8 +131,8 @@ class Manifest(_Frozen):
     # trusted because of it (`vsnap images` shows it).
     origin: str = CAPTURED
 
-    @model_validator(mode="after")
-    def _one_gpu_per_rank(self) -> "Manifest":
+    def _check(self) -> None:
+        """One GPU per rank, each named by its UUID."""
         if self.gpu_uuids and (len(self.gpu_uuids) != self.tensor_parallel_size
                                or len(set(self.gpu_uuids)) != len(self.gpu_uuids)):
             raise ValueError(f"gpu_uuids must name {self.tensor_parallel_size} different GPUs, one per rank")
@@ -141,7 +141,6 @@ class Manifest(_Frozen):
         if self.cuda_processes and len(self.captured_gpus()) != self.tensor_parallel_size:
             raise ValueError(f"an image with CUDA state of {self.tensor_parallel_size} rank(s) must name the GPU of each "
                              "(gpu_uuids, or host.gpus for one rank)")
-        return self
 
     def captured_gpus(self) -> list[str]:
         """The UUIDs of the GPUs the tree ran on, in rank order (empty without CUDA state)."""
@@ -190,10 +189,9 @@ def read_manifest(image_dir: Path) -> Manifest:
         raise error
     try:
         manifest = Manifest.model_validate_json(data)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "document"
-        raise ImageFormatError(f"{path} is malformed ({where}: {first['msg']})",
+    except RecordError as exc:
+        where = ".".join(str(p) for p in exc.loc) or "document"
+        raise ImageFormatError(f"{path} is malformed ({where}: {exc.msg})",
                                hint="the manifest was altered or truncated; capture again") from None
     if manifest.protocol_version != PROTOCOL_VERSION:
         raise ImageIncompatible("vsnap", f"{manifest.vsnap_version} (engine protocol {manifest.protocol_version})",

@@ -14,7 +14,7 @@ import shutil
 import socket
 import time
 import urllib.parse
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeout
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -667,6 +667,7 @@ def manifest_digest(manifest: Manifest) -> str:
 
 
 STOP_WAIT_S = 60.0
+GPU_FACTS_TIMEOUT_S = 120.0  # cuInit and the device queries (hosts with many GPUs take seconds)
 
 
 def stop_server(server: RestoredServer | InstanceRecord, grace_s: float = 10.0) -> None:
@@ -740,7 +741,13 @@ def _gpu_facts() -> tuple[str | None, str, list[dict]]:
     from ._cuda import gpu_facts
 
     early = _gpu_early.facts()
-    return early.result() if early is not None else gpu_facts()
+    if early is None:
+        return gpu_facts()
+    try:
+        return early.result(timeout=GPU_FACTS_TIMEOUT_S)
+    except FutureTimeout:  # (not the builtin TimeoutError before Python 3.11)
+        raise HostNotReady("cuda", f"the CUDA driver did not start within {GPU_FACTS_TIMEOUT_S:.0f} s",
+                           hint="check `nvidia-smi`; a GPU may be hung") from None
 
 
 def choose_gpus(manifest: Manifest, requested: str | None,

@@ -257,16 +257,16 @@ def test_a_manifest_without_the_tensor_parallel_fields_reads_as_one_rank(tmp_pat
 
 
 def test_a_manifest_needs_one_different_gpu_per_rank() -> None:
-    from pydantic import ValidationError
+    from vsnap.protocol.records import RecordError
 
     from tests.unit import fake_image
 
     assert fake_image.manifest(tensor_parallel_size=2, gpu_uuids=[U("a"), U("b")]).captured_gpus() == [
         U("a"), U("b")]
     for uuids in ([U("a")], [U("a"), U("a")]):
-        with pytest.raises(ValidationError, match="gpu_uuids must name 2 different GPUs"):
+        with pytest.raises(RecordError, match="gpu_uuids must name 2 different GPUs"):
             fake_image.manifest(tensor_parallel_size=2, gpu_uuids=uuids)
-    with pytest.raises(ValidationError):
+    with pytest.raises(RecordError, match="tensor_parallel_size: Input should be greater than or equal to 1"):
         fake_image.manifest(tensor_parallel_size=0)
 
 

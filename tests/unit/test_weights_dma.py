@@ -48,6 +48,7 @@ class FakeDriver(types.ModuleType):
         self.contexts = 0
         self.unlocks = 0
         self.unlocks_at_failure: int | None = None  # how many pieces had been unlocked when one call failed
+        self.refuse_unlock: set[int] = set()  # addresses cuMemHostUnregister refuses
 
     def cuDeviceGet(self, ordinal: int) -> tuple[int, int]:
         return 0, ordinal
@@ -100,6 +101,8 @@ class FakeDriver(types.ModuleType):
 
     def cuMemHostUnregister(self, address: int) -> tuple[int]:
         with self.lock:
+            if address in self.refuse_unlock:
+                return (self.CUresult.CUDA_ERROR_NOT_SUPPORTED,)
             del self.locked[address]
             self.unlocks += 1
         return (0,)
@@ -288,3 +291,123 @@ def test_unlock_later_is_not_called_when_a_copy_fails(monkeypatch: pytest.Monkey
         dma_into(path, _layout(sizes), [FakeTarget(n) for n in sizes], threads=2, piece=PAGE, held=16,
                  unlock_later=handed.append)
     assert handed == [] and driver.locked == {} and driver.contexts == 0 and not _mapped(path)
+
+
+def test_a_piece_the_driver_will_not_unlock_keeps_the_file_mapped_and_is_an_error(
+        monkeypatch: pytest.MonkeyPatch, weights: tuple[Path, list[int], bytes]) -> None:
+    path, sizes, _ = weights
+    driver = FakeDriver()
+    _install(monkeypatch, driver)
+    handed: list[vllm_weights.LockedPages] = []
+    dma_into(path, _layout(sizes), [FakeTarget(n) for n in sizes], threads=1, piece=PAGE, held=16,
+             unlock_later=handed.append)
+    [pages] = handed
+    stuck = sorted(driver.locked)[3]
+    driver.refuse_unlock = {stuck}
+    with pytest.warns(UserWarning, match="cuMemHostUnregister"), \
+            pytest.raises(vllm_weights.UnlockRefused, match="1 piece"):
+        pages.release()
+    # the others are unlocked; the refused one is kept, and the file stays mapped (unmapping a
+    # locked range would leave it locked)
+    assert list(driver.locked) == [stuck] and pages.pieces == 1 and _mapped(path) and driver.contexts == 0
+    driver.refuse_unlock = set()
+    assert pages.release()["unlocked_pieces"] == 1
+    assert driver.locked == {} and not _mapped(path)
+
+
+def test_without_unlock_later_a_refused_unlock_fails_the_load(monkeypatch: pytest.MonkeyPatch,
+                                                              weights: tuple[Path, list[int], bytes]) -> None:
+    path, sizes, _ = weights
+    driver = FakeDriver()
+    _install(monkeypatch, driver)
+    original = driver.cuMemHostRegister
+
+    def register_then_refuse_its_unlock(address: int, size: int, flags: int) -> tuple[int]:
+        if not driver.refuse_unlock:
+            driver.refuse_unlock = {address}
+        return original(address, size, flags)
+
+    driver.cuMemHostRegister = register_then_refuse_its_unlock  # type: ignore[method-assign]
+    with pytest.warns(UserWarning), pytest.raises(vllm_weights.UnlockRefused):
+        dma_into(path, _layout(sizes), [FakeTarget(n) for n in sizes], threads=2, piece=PAGE, held=2)
+    assert list(driver.locked) == list(driver.refuse_unlock) and _mapped(path)
+
+
+class FakeLockedPages:
+    """A LockedPages that counts its releases; ``refuse`` times it raises UnlockRefused first."""
+
+    def __init__(self, pieces: int, refuse: int = 0) -> None:
+        self._pieces, self.refuse, self.calls, self.pauses = pieces, refuse, 0, []
+        self.released = threading.Event()
+
+    @property
+    def pieces(self) -> int:
+        return self._pieces
+
+    def release(self, pause_s: float = 0.0) -> dict[str, float]:
+        self.calls += 1
+        self.pauses.append(pause_s)
+        if self.refuse:
+            self.refuse -= 1
+            raise vllm_weights.UnlockRefused("CUDA would not unlock 1 piece(s)")
+        done, self._pieces = self._pieces, 0
+        self.released.set()
+        return {"unlocked_pieces": float(done), "unlock_s": 0.001} if done else {}
+
+
+def _worker() -> vllm_weights.WeightsFileExtension:
+    return vllm_weights.WeightsFileExtension.__new__(vllm_weights.WeightsFileExtension)
+
+
+def test_the_worker_unlocks_in_the_background_and_a_sleep_waits_for_it(capsys: pytest.CaptureFixture[str]) -> None:
+    worker = _worker()
+    assert worker.vsnap_unlock_weights_file(True) == {}  # nothing was loaded
+    pages = FakeLockedPages(5)
+    worker._vsnap_locked = [pages]
+    assert worker.vsnap_unlock_weights_file(True) == {"unlocking_pieces": 5.0}
+    assert pages.released.wait(10) and pages.pauses == [vllm_weights.UNLOCK_PAUSE_S]
+    assert worker.vsnap_unlock_weights_file(False) == {}  # joined the thread; nothing left
+    assert "weights file unlocked" in capsys.readouterr().out and worker._vsnap_locked == []
+
+
+def test_pieces_a_background_unlock_could_not_unlock_fail_the_next_sleep(capsys: pytest.CaptureFixture[str]) -> None:
+    worker = _worker()
+    pages = FakeLockedPages(3, refuse=2)
+    worker._vsnap_locked = [pages]
+    worker.vsnap_unlock_weights_file(True)
+    worker._vsnap_unlocking.join(10)
+    assert "would not unlock" in capsys.readouterr().out and worker._vsnap_locked == [pages]  # kept, not lost
+    with pytest.raises(vllm_weights.UnlockRefused):  # the sleep before a checkpoint stops there
+        worker.vsnap_unlock_weights_file(False)
+    assert worker.vsnap_unlock_weights_file(False) == {"unlocked_pieces": 3.0, "unlock_s": 0.001}
+    assert worker._vsnap_locked == [] and pages.calls == 3
+
+
+def test_the_stack_limit_is_lowered_once_and_put_back_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = types.ModuleType("torch")
+    torch.cuda = types.SimpleNamespace(synchronize=lambda: None, empty_cache=lambda: None)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    monkeypatch.setattr(vllm_weights, "release_heap", lambda: None)
+    monkeypatch.setattr(vllm_weights, "device_memory_report", lambda: {})
+    monkeypatch.setattr(vllm_weights, "_device_used", lambda: 0)
+    limits = iter([(1024, 277 << 20), (0, 0)])
+    lowered: list[int] = []
+    monkeypatch.setattr(vllm_weights, "lower_stack_limit", lambda: lowered.append(1) or next(limits))
+    put_back: list[int] = []
+
+    def set_limit(value: int) -> dict[str, float]:
+        if value != 1024:
+            raise AssertionError(f"the stack limit put back as {value}")
+        put_back.append(value)
+        return {"stack_restore_s": 0.0}
+
+    monkeypatch.setattr(vllm_weights, "set_stack_limit", set_limit)
+    monkeypatch.delenv(vllm_weights.STACK_ENV, raising=False)
+    worker = _worker()
+    assert worker.vsnap_release_memory()["stack_freed_bytes"] == 277 << 20
+    worker.vsnap_release_memory()  # a second sleep without a wake: not lowered again (it would record 0)
+    assert lowered == [1]
+    assert worker.vsnap_restore_stack_limit() == {"stack_restore_s": 0.0} and put_back == [1024]
+    assert worker.vsnap_restore_stack_limit() == {}  # once
+    monkeypatch.setenv(vllm_weights.STACK_ENV, "keep")
+    assert "stack_freed_bytes" not in worker.vsnap_release_memory() and lowered == [1]

@@ -12,7 +12,8 @@ Every write is atomic (a temp file opened O_EXCL|O_NOFOLLOW, fsync, rename, fsyn
 directory). Every read refuses symlinks, files that are not regular, files owned by another
 user and files others may write. The directory itself must be owned by us and private (0700).
 
-A leaf: imports pydantic, protocol.errors and protocol.oracle only (the engine tree imports it).
+A leaf: imports protocol.records, protocol.errors and protocol.oracle only (the engine tree imports
+it; no pydantic: every `vsnap restore` reads these messages before its first phase).
 """
 
 from __future__ import annotations
@@ -28,10 +29,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-
 from .errors import ControlProtocolError, PhaseTimeout
 from .oracle import Oracle
+from .records import Record, RecordError, field
 
 LAUNCH = "launch.json"
 READY = "ready.json"
@@ -61,8 +61,8 @@ MAX_COUNTED_STEP_S = 1.0
 PROTOCOL_VERSION = 3  # 3: standby.json (a standby waits for its activation without a timeout)
 
 
-class _Message(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class _Message(Record):
+    """A control message: frozen, and read only if it has exactly its fields (protocol.records)."""
 
 
 def _vsnap_version() -> str:
@@ -101,7 +101,7 @@ class LaunchConfig(_Versioned):
     engine: Literal["cpu", "vllm"]
     model: str
     served_model_name: str
-    serve_args: dict[str, Any] = Field(default_factory=dict)
+    serve_args: dict[str, Any] = field(default_factory=dict)
     oracle_prompts: list[str]
     oracle_max_tokens: int
     oracle_top_k: int
@@ -119,12 +119,12 @@ class LaunchConfig(_Versioned):
 class Ready(_Versioned):
     pid: int
     oracle: Oracle
-    times: dict[str, float] = Field(default_factory=dict)
+    times: dict[str, float] = field(default_factory=dict)
 
 
 class Activation(_Versioned):
     host: str
-    port: int = Field(ge=0, le=65535)
+    port: int = field(ge=0, le=65535)
     weights_dir: str | None = None  # the image's weights file directory, when it has one
 
 
@@ -137,8 +137,8 @@ class Standby(_Versioned):
 
 class Status(_Message):
     state: Literal["recovering", "validated", "serving", "stopped"]
-    times: dict[str, float] = Field(default_factory=dict)
-    detail: dict[str, Any] = Field(default_factory=dict)
+    times: dict[str, float] = field(default_factory=dict)
+    detail: dict[str, Any] = field(default_factory=dict)
 
 
 class Owner(_Message):
@@ -151,7 +151,7 @@ class ErrorReport(_Message):
     phase: str
     type: str
     message: str
-    detail: dict[str, Any] = Field(default_factory=dict)
+    detail: dict[str, Any] = field(default_factory=dict)
 
 
 M = TypeVar("M", bound=_Message)
@@ -250,10 +250,9 @@ def read_message(directory: Path, name: str, model: type[M]) -> M | None:
         _require_protocol(data, directory / name)
     try:
         return model.model_validate_json(data)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "document"
-        raise ControlProtocolError(directory / name, f"malformed ({where}: {first['msg']})") from None
+    except RecordError as exc:
+        where = ".".join(str(p) for p in exc.loc) or "document"
+        raise ControlProtocolError(directory / name, f"malformed ({where}: {exc.msg})") from None
 
 
 def remove_control_files(directory: Path, names: tuple[str, ...] = CONTROL_FILES) -> None:

@@ -1,21 +1,18 @@
 """The oracle: what the engine computed before capture, and the comparison after restore.
 
-A leaf (pydantic and protocol.errors only): the engine tree, the manifest and the tests share it.
+A leaf (protocol.records and protocol.errors only): the engine tree, the manifest and the tests share it.
 """
 
 from __future__ import annotations
 
 import math
 
-from pydantic import BaseModel, ConfigDict
-
 from .errors import OracleMismatch
+from .records import Record
 
 
-class OracleSample(BaseModel):
+class OracleSample(Record):
     """Greedy output for one prompt: the token ids and, per position, the top-k log probabilities."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     prompt: str
     # the served name to ask over HTTP: a LoRA adapter's, or None for the model itself
@@ -26,9 +23,7 @@ class OracleSample(BaseModel):
     logprobs: list[dict[str, float]]
 
 
-class Oracle(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class Oracle(Record):
     samples: list[OracleSample]
 
 

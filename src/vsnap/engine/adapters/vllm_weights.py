@@ -158,7 +158,7 @@ def dma_into(path: Path, segments: list[Segment], targets: list[Any], *, threads
     lock (threads that only copied beside the lockings slowed them too), so unlocking between
     lockings slows them down. On the H200 host (scripts/weights-dma-bench.py, 17.2 GB from the
     page cache): 4 threads holding 2 pieces each 0.69 to 0.75 s, holding 16 each 0.58 s, the
-    buffered path 0.83 to 0.85 s; inside an 8B restore 0.72 s.
+    buffered path 0.83 to 0.85 s; inside an 8B restore 0.72 s (0.60 s with unlock_later, session 10).
 
     With ``unlock_later``, the pieces still locked once every copy is done are not unlocked here:
     they are handed, with the file's mapping, to ``unlock_later`` as one LockedPages, whose
@@ -223,7 +223,9 @@ def dma_into(path: Path, segments: list[Segment], targets: list[Any], *, threads
                 if len(locked) == held:  # the oldest piece's copies must be done before it is unlocked
                     address, event = locked.pop(0)
                     (err,) = cu.cuEventSynchronize(event)
-                    _unlock(cu, address, event)
+                    if not _unlock(cu, address, event):
+                        with kept_lock:
+                            kept.append((address, None))  # still locked: release() tries again, and says so
                     if err != ok:
                         raise RuntimeError(f"copying the weights to the GPU: {err}")
                 lo = index * piece
@@ -253,12 +255,10 @@ def dma_into(path: Path, segments: list[Segment], targets: list[Any], *, threads
         finally:
             if stream is not None:
                 cu.cuStreamSynchronize(stream)  # no copy may still read a piece once it is unlocked
-            if unlock_later is not None and not stop.is_set():
-                with kept_lock:
-                    kept.extend(locked)
-            else:
-                for address, event in locked:
-                    _unlock(cu, address, event)
+            still = locked if unlock_later is not None and not stop.is_set() else [
+                (address, None) for address, event in locked if not _unlock(cu, address, event)]
+            with kept_lock:
+                kept.extend(still)
             if stream is not None:
                 cu.cuStreamDestroy(stream)
             cu.cuDevicePrimaryCtxRelease(device)
@@ -279,15 +279,22 @@ def dma_into(path: Path, segments: list[Segment], targets: list[Any], *, threads
     if unlock_later is None:
         locked_pages.release()
     else:
-        unlock_later(locked_pages)
+        try:
+            unlock_later(locked_pages)
+        except BaseException:
+            locked_pages.release()
+            raise
     return {"weights_bytes": float(total), "weights_load_s": seconds, "weights_gb_per_s": total / max(seconds, 1e-9) / 1e9,
             "weights_registered_pieces": float(done), "weights_unlocked_later_pieces": float(len(kept))}
 
 
 class LockedPages:
     """Pieces of a mapped weights file that dma_into left page-locked after their copies were done,
-    and the mapping itself. release() unlocks them (one at a time, ``pause_s`` apart, so that
-    the driver's lock is free between them) and unmaps the file; a second call does nothing."""
+    and the mapping itself. release() unlocks them (one at a time, ``pause_s`` apart: each unlock
+    waits for the GPU's work in flight and holds the driver's lock, so launches wait behind it) and
+    unmaps the file. A piece the driver will not unlock stays in the object, with the mapping
+    (unmapping a locked range leaves it locked), and release() raises UnlockRefused; a later call
+    tries again. Once all are unlocked, a call does nothing."""
 
     def __init__(self, ordinal: int, mapping: mmap.mmap, view: Any, pieces: list[tuple[int, Any]]) -> None:
         self._ordinal, self._mapping, self._view, self._pieces = ordinal, mapping, view, pieces
@@ -301,51 +308,76 @@ class LockedPages:
         with self._lock:
             if self._mapping is None:
                 return {}
-            start, count = time.monotonic(), len(self._pieces)
-            try:
-                if self._pieces:
-                    self._unlock_all(pause_s)
-            finally:
-                self._view = None
-                self._mapping.close()
-                self._mapping = None
-            return {"unlocked_pieces": float(count), "unlock_s": time.monotonic() - start}
+            start = time.monotonic()
+            unlocked = self._unlock_all(pause_s) if self._pieces else 0
+            self._view = None
+            self._mapping.close()
+            self._mapping = None
+            if self in _STILL_LOCKED:
+                _STILL_LOCKED.remove(self)
+            return {"unlocked_pieces": float(unlocked), "unlock_s": time.monotonic() - start}
 
-    def _unlock_all(self, pause_s: float) -> None:
+    def _unlock_all(self, pause_s: float) -> int:
         from cuda.bindings import driver as cu
 
+        ok = cu.CUresult.CUDA_SUCCESS
         err, device = cu.cuDeviceGet(self._ordinal)
-        err2, context = cu.cuDevicePrimaryCtxRetain(device) if err == cu.CUresult.CUDA_SUCCESS else (err, None)
-        if err2 != cu.CUresult.CUDA_SUCCESS:  # should not happen (torch holds the context); the pages stay locked
-            warnings.warn(f"vsnap: no CUDA context to unlock the weights file with: {err2}", stacklevel=1)
-            return
+        err2, context = cu.cuDevicePrimaryCtxRetain(device) if err == ok else (err, None)
+        if err2 != ok:  # should not happen (torch holds the context)
+            raise UnlockRefused(f"no CUDA context to unlock {len(self._pieces)} piece(s) of the weights file with: "
+                                f"{err2}")
+        unlocked, refused = 0, []
         try:
-            cu.cuCtxSetCurrent(context)
+            (err,) = cu.cuCtxSetCurrent(context)
+            if err != ok:
+                raise UnlockRefused(f"cuCtxSetCurrent before unlocking the weights file: {err}")
             while self._pieces:
                 address, event = self._pieces.pop(0)
-                _unlock(cu, address, event)
+                if _unlock(cu, address, event):
+                    unlocked += 1
+                else:
+                    refused.append((address, None))
                 if pause_s and self._pieces:
                     time.sleep(pause_s)
         finally:
+            self._pieces[:0] = refused
             cu.cuDevicePrimaryCtxRelease(device)
+        if refused:
+            if self not in _STILL_LOCKED:  # its mapping must outlive every owner: an mmap unmaps when collected
+                _STILL_LOCKED.append(self)
+            raise UnlockRefused(f"CUDA would not unlock {len(refused)} piece(s) of the weights file (the engine log "
+                                "has each); they stay locked until the engine exits")
+        return unlocked
+
+
+_STILL_LOCKED: list[LockedPages] = []  # pieces the driver would not unlock, kept mapped for the process's life
+
+
+class UnlockRefused(RuntimeError):
+    """The driver would not unlock pieces of the weights file: nothing may be checkpointed now."""
 
 
 def _release_all(locked: list[LockedPages], pause_s: float) -> dict[str, float]:
+    """Release each of ``locked`` (each at most once: a released one does nothing), then empty
+    the list; on UnlockRefused the list keeps them all for the next try."""
     totals = {"unlocked_pieces": 0.0, "unlock_s": 0.0}
     for pages in locked:
         for key, value in pages.release(pause_s).items():
             totals[key] = totals.get(key, 0.0) + value
+    locked.clear()
     return totals
 
 
-def _unlock(cu: Any, address: int, event: Any) -> None:
-    """Unregister a piece dma_into locked (its copies are done) and free its event; a failure is
-    said (the pages would stay locked), not raised."""
+def _unlock(cu: Any, address: int, event: Any) -> bool:
+    """Unregister a piece dma_into locked (its copies are done) and free its event; False (and a
+    warning) if the driver refused: the pages are still locked."""
+    if event is not None:
+        cu.cuEventDestroy(event)
     (err,) = cu.cuMemHostUnregister(address)
     if err != cu.CUresult.CUDA_SUCCESS:
         warnings.warn(f"vsnap: cuMemHostUnregister at {address:#x}: {err}", stacklevel=1)
-    if event is not None:
-        cu.cuEventDestroy(event)
+        return False
+    return True
 
 
 def stream_into(path: Path, segments: list[Segment], targets: list[Any], *, threads: int = THREADS,
@@ -354,7 +386,7 @@ def stream_into(path: Path, segments: list[Segment], targets: list[Any], *, thre
     from the page-locked page cache (dma_into, which hands its locked pages to ``unlock_later``
     if given; where CUDA refuses that, or with DMA_ENV=0 in the engine's environment, through
     pinned buffers and asynchronous copies); CPU tensors by plain copies. 8B on the H200, inside
-    a restore: 0.72 s by dma_into, 0.90 s buffered (NOTES.md)."""
+    a restore: 0.60 s by dma_into (its pages unlocked later), 0.90 s buffered (NOTES.md)."""
     if targets and targets[0].device.type == "cuda" and os.environ.get(DMA_ENV) != "0":
         try:
             return dma_into(path, segments, targets, unlock_later=unlock_later)
@@ -711,7 +743,7 @@ class WeightsFileExtension(TensorParallelExtension):
             if p.is_cuda and in_pool(storage.data_ptr()) and held.get(storage.data_ptr()) != storage.nbytes():
                 raise RuntimeError(f"the model's parameters changed since the weights file was written ({name})")
         path = Path(directory) / file_name(self._vsnap_rank())
-        self.vsnap_unlock_weights_file(background=False)  # nothing should be left locked; if it is, not twice
+        self.vsnap_unlock_weights_file(background=False)  # an earlier load's pages, if any (raises if they stay)
         locked: list[LockedPages] = []
         self._vsnap_locked = locked
         pool = ThreadPoolExecutor(max_workers=1)
@@ -720,27 +752,34 @@ class WeightsFileExtension(TensorParallelExtension):
 
     def vsnap_unlock_weights_file(self, background: bool) -> dict[str, float]:
         """Unlock the weights file's pages that the last load left locked (dma_into's
-        unlock_later): unlocking takes the driver's lock, so a restore does it once the server
-        serves, in a thread of its own, piece by piece (``background``); before a sleep (and so
-        before any checkpoint) it is done at once. A background unlocking still running is waited
-        for first."""
+        unlock_later). A restore does it once the server serves, in a thread of its own,
+        piece by piece (``background``: each unlock waits for the GPU's work in flight and holds
+        the driver's lock, so it delays the next launch by a few milliseconds); before a sleep,
+        and so before any checkpoint, it is done at once, after any background unlocking, and a
+        piece the driver will not unlock fails the call (UnlockRefused): nothing is checkpointed
+        with pages locked."""
         running: threading.Thread | None = getattr(self, "_vsnap_unlocking", None)
         if running is not None:
             running.join()
             self._vsnap_unlocking = None
         locked: list[LockedPages] = getattr(self, "_vsnap_locked", [])
-        self._vsnap_locked = []
         if not locked:
             return {}
         if not background:
-            return _release_all(locked, 0.0)
+            result = _release_all(locked, 0.0)  # raises with the refused pieces kept in `locked`
+            self._vsnap_locked = []
+            return result
+        pieces = float(sum(p.pieces for p in locked))
 
-        def unlock() -> None:
-            print(f"vsnap: weights file unlocked: {_release_all(locked, UNLOCK_PAUSE_S)}", flush=True)
+        def unlock() -> None:  # the list stays the worker's until every piece is unlocked
+            try:
+                print(f"vsnap: weights file unlocked: {_release_all(locked, UNLOCK_PAUSE_S)}", flush=True)
+            except UnlockRefused as refused:
+                print(f"vsnap: {refused}", flush=True)
 
         self._vsnap_unlocking = threading.Thread(target=unlock, name="vsnap-unlock-weights", daemon=True)
         self._vsnap_unlocking.start()
-        return {"unlocking_pieces": float(sum(p.pieces for p in locked))}
+        return {"unlocking_pieces": pieces}
 
     def vsnap_refresh_weights(self, directory: str) -> dict[str, float]:
         """Rewrite, in place, the file's pieces whose tensors changed since it was written (the
@@ -798,9 +837,12 @@ class WeightsFileExtension(TensorParallelExtension):
         start = _device_used()
         release_heap()  # first: a collected tensor's block can then be returned
         torch.cuda.empty_cache()
-        stack = lower_stack_limit() if os.environ.get(STACK_ENV) != "keep" else {}
-        if "stack_limit_was" in stack:
-            self._vsnap_stack_limit = int(stack["stack_limit_was"])
+        stack: dict[str, float] = {}
+        if os.environ.get(STACK_ENV) != "keep" and getattr(self, "_vsnap_stack_limit", None) is None:
+            lowered = lower_stack_limit()  # not twice without a wake: the second would record 0
+            if lowered is not None:
+                self._vsnap_stack_limit, freed = lowered
+                stack = {"stack_freed_bytes": float(freed)}
         return {**device_memory_report(), **stack, "freed_bytes": float(start - _device_used())}
 
     def vsnap_restore_stack_limit(self) -> dict[str, float]:
@@ -809,12 +851,14 @@ class WeightsFileExtension(TensorParallelExtension):
         limit: int | None = getattr(self, "_vsnap_stack_limit", None)
         if limit is None:
             return {}
+        result = set_stack_limit(limit)  # raises on a refusal: the value stays for the next try
         self._vsnap_stack_limit = None
-        return set_stack_limit(limit)
+        return result
 
 
-def lower_stack_limit() -> dict[str, float]:
-    """Give back the context's per-thread stack reservation before the checkpoint.
+def lower_stack_limit() -> tuple[int, int] | None:
+    """Give back the context's per-thread stack reservation before the checkpoint: (the limit it
+    had, the device bytes freed), or None where nothing was lowered.
 
     The CUDA context reserves stack for every thread the GPU can hold resident (1 KiB by default x
     2048 threads x 132 SMs on an H200: 277 MB of a bare context's 651 MB), and that memory is
@@ -832,21 +876,22 @@ def lower_stack_limit() -> dict[str, float]:
     try:
         from cuda.bindings import driver as cu
     except ImportError:
-        return {}
+        return None
     limit = cu.CUlimit.CU_LIMIT_STACK_SIZE
     err, value = cu.cuCtxGetLimit(limit)
-    if int(err) != 0:
-        return {}
+    if int(err) != 0 or not value:  # nothing to give back (or it was lowered already)
+        return None
     before = _device_used()
     (result,) = cu.cuCtxSetLimit(limit, 0)
     if int(result) != 0:
-        return {}
-    return {"stack_limit_was": float(value), "stack_freed_bytes": float(before - _device_used())}
+        return None
+    return int(value), before - _device_used()
 
 
 def set_stack_limit(value: int) -> dict[str, float]:
-    """Set the current context's per-thread stack limit back to ``value`` (lower_stack_limit's
-    ``stack_limit_was``); a refusal is an error: kernels replayed from graphs could then fault."""
+    """Set the current context's per-thread stack limit back to ``value`` (the limit
+    lower_stack_limit returned); a refusal is an error: kernels replayed from graphs could then
+    fault, so the restore stops before its oracle."""
     import torch
     from cuda.bindings import driver as cu
 
@@ -855,7 +900,7 @@ def set_stack_limit(value: int) -> dict[str, float]:
     (result,) = cu.cuCtxSetLimit(cu.CUlimit.CU_LIMIT_STACK_SIZE, value)
     if int(result) != 0:
         raise RuntimeError(f"cuCtxSetLimit(CU_LIMIT_STACK_SIZE, {value}): {result}")
-    return {"stack_limit": float(value), "stack_restore_s": time.monotonic() - start}
+    return {"stack_restore_s": time.monotonic() - start}
 
 
 def _device_used() -> int:

@@ -1,0 +1,226 @@
+"""Frozen records read from JSON and checked field by field, without pydantic.
+
+The control messages, the oracle, the manifest and the instance records are read by every
+`vsnap restore` before its first phase. pydantic's import and its schemas cost a restore command
+~0.14 s on the H200 host (docs/benchmarks/NOTES.md, session 10), so these records are plain frozen
+dataclasses with a strict reader instead: ``Record.model_validate_json`` refuses what is not
+exactly the declared shape (a missing field, an unknown one, a value of another JSON type, a
+number out of its bounds), naming the path to the first bad value the way pydantic did. The
+method names are pydantic's, so callers read the same.
+
+What a field may hold: str, int (never a bool), float (an int is taken as a float), bool,
+None, ``X | None`` and other unions (the first that fits), ``Literal[...]``, ``list[X]``,
+``dict[str, X]``, ``Any`` (any JSON value) and another Record (from a JSON object). ``field(ge=,
+le=)`` bounds a number. A record may check itself as a whole in ``_check`` (raise ValueError).
+
+A leaf: imports nothing of vsnap (the engine tree imports it through protocol.control).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar, Union
+
+if TYPE_CHECKING:
+    from typing_extensions import Self, dataclass_transform
+else:
+    def dataclass_transform(**_: Any) -> Any:
+        return lambda cls: cls
+
+R = TypeVar("R", bound="Record")
+Loc = tuple[typing.Union[str, int], ...]
+
+
+class RecordError(ValueError):
+    """A document that does not fit a record: where (``loc``, the keys and indices to the first bad
+    value) and what (``msg``, pydantic's wording)."""
+
+    def __init__(self, loc: Loc, msg: str) -> None:
+        super().__init__(f"{'.'.join(map(str, loc)) or 'document'}: {msg}")
+        self.loc, self.msg = loc, msg
+
+    def errors(self) -> list[dict[str, Any]]:
+        """One error, shaped as pydantic's ValidationError.errors() items."""
+        return [{"loc": self.loc, "msg": self.msg}]
+
+
+def field(*, default: Any = dataclasses.MISSING, default_factory: Any = dataclasses.MISSING,
+          ge: float | None = None, le: float | None = None) -> Any:
+    """A field with a default and/or bounds (``ge``/``le``: for int and float fields)."""
+    return dataclasses.field(default=default, default_factory=default_factory, metadata={"ge": ge, "le": le})
+
+
+@dataclass_transform(kw_only_default=True, frozen_default=True, field_specifiers=(field,))
+class Record:
+    """Subclasses are frozen, keyword-only dataclasses whose values are checked (and nested
+    records built from dicts) when they are made, from code or from JSON."""
+
+    _hints: ClassVar[dict[str, Any] | None] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._hints = None  # each class resolves its own, at its first use
+        dataclasses.dataclass(frozen=True, kw_only=True)(cls)
+
+    def __post_init__(self) -> None:
+        hints = type(self)._type_hints()
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            checked = _check_value(hints[f.name], value, (f.name,), f.metadata)
+            if checked is not value:
+                object.__setattr__(self, f.name, checked)
+        try:
+            self._check()
+        except RecordError:
+            raise
+        except ValueError as exc:
+            raise RecordError((), f"Value error, {exc}") from None
+
+    def _check(self) -> None:
+        """Checks of the record as a whole, once every field fits (raise ValueError)."""
+
+    @classmethod
+    def _type_hints(cls) -> dict[str, Any]:
+        if cls.__dict__.get("_hints") is None:
+            cls._hints = typing.get_type_hints(cls)
+        return cls._hints  # type: ignore[return-value]
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))  # type: ignore[arg-type]
+
+    @classmethod
+    def model_validate(cls, data: Any) -> Self:
+        return _build(cls, data, ())
+
+    @classmethod
+    def model_validate_json(cls, data: bytes | str) -> Self:
+        try:
+            document = json.loads(data)
+        except RecursionError:
+            raise RecordError((), "Invalid JSON: nested too deep") from None
+        except ValueError as exc:
+            raise RecordError((), f"Invalid JSON: {exc}") from None
+        return cls.model_validate(document)
+
+    @classmethod
+    def model_construct(cls, **values: Any) -> Self:
+        """A record of trusted ``values``, unchecked: the fields not given take their defaults
+        (one without a default is left unset), as pydantic's model_construct. For tests."""
+        record = object.__new__(cls)
+        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+            if f.name in values:
+                object.__setattr__(record, f.name, values[f.name])
+            elif f.default is not dataclasses.MISSING:
+                object.__setattr__(record, f.name, f.default)
+            elif f.default_factory is not dataclasses.MISSING:
+                object.__setattr__(record, f.name, f.default_factory())
+        return record
+
+    def model_dump(self, *, include: set[str] | None = None, mode: str = "python") -> dict[str, Any]:
+        """The record as JSON values (``mode`` is taken for pydantic's signature: every value is
+        JSON already)."""
+        return {f.name: _dump(getattr(self, f.name)) for f in dataclasses.fields(self)  # type: ignore[arg-type]
+                if include is None or f.name in include}
+
+    def model_dump_json(self, *, indent: int | None = None) -> str:
+        return json.dumps(self.model_dump(), indent=indent, ensure_ascii=False,
+                          separators=(",", ":") if indent is None else None)
+
+    def model_copy(self, *, update: dict[str, Any] | None = None) -> Self:
+        """A copy with ``update``'s fields replaced (and checked, as when the record was made)."""
+        return dataclasses.replace(self, **(update or {}))  # type: ignore[type-var]
+
+
+def _build(cls: type[R], data: Any, loc: Loc) -> R:
+    if isinstance(data, cls):
+        return data
+    if not isinstance(data, dict):
+        raise RecordError(loc, f"Input should be a valid dictionary or instance of {cls.__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    for key in data:
+        if key not in fields:
+            raise RecordError(loc + (key,), "Extra inputs are not permitted")
+    for name, f in fields.items():
+        if name not in data and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise RecordError(loc + (name,), "Field required")
+    try:
+        return cls(**data)
+    except RecordError as exc:
+        raise RecordError(loc + exc.loc, exc.msg) from None
+
+
+_MESSAGES = {str: "a valid string", int: "a valid integer", float: "a valid number", bool: "a valid boolean"}
+
+
+def _check_value(hint: Any, value: Any, loc: Loc, bounds: Any = None) -> Any:
+    """``value`` as a field of type ``hint`` holds it (nested records built), or RecordError."""
+    if hint is Any:
+        return value
+    if hint is type(None):
+        if value is not None:
+            raise RecordError(loc, "Input should be None")
+        return value
+    if hint in _MESSAGES:
+        if isinstance(value, bool) is not (hint is bool):  # a bool is an int to Python, never here
+            raise RecordError(loc, f"Input should be {_MESSAGES[hint]}")
+        if hint is float and isinstance(value, int):  # JSON has one kind of number: 900 for 900.0
+            value = float(value)
+        elif not isinstance(value, hint):
+            raise RecordError(loc, f"Input should be {_MESSAGES[hint]}")
+        if bounds:
+            if bounds.get("ge") is not None and value < bounds["ge"]:
+                raise RecordError(loc, f"Input should be greater than or equal to {bounds['ge']}")
+            if bounds.get("le") is not None and value > bounds["le"]:
+                raise RecordError(loc, f"Input should be less than or equal to {bounds['le']}")
+        return value
+    if isinstance(hint, type) and issubclass(hint, Record):
+        return _build(hint, value, loc)
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        first: RecordError | None = None
+        for option in (a for a in args if a is not type(None)):
+            try:
+                return _check_value(option, value, loc, bounds)
+            except RecordError as exc:
+                first = first or exc
+        assert first is not None
+        raise first
+    if origin is Literal:
+        if not any(type(value) is type(a) and value == a for a in args):
+            raise RecordError(loc, "Input should be " + _alternatives([repr(a) for a in args]))
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise RecordError(loc, "Input should be a valid list")
+        (item,) = args or (Any,)
+        checked = [_check_value(item, v, loc + (i,)) for i, v in enumerate(value)]
+        return value if all(a is b for a, b in zip(checked, value)) else checked
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise RecordError(loc, "Input should be a valid dictionary")
+        key_type, item = args or (str, Any)
+        checked_dict = {}
+        for k, v in value.items():
+            checked_dict[_check_value(key_type, k, loc + (k,))] = _check_value(item, v, loc + (k,))
+        return value if all(checked_dict[k] is value[k] for k in value) else checked_dict
+    raise TypeError(f"records cannot hold {hint!r}")  # a programming error: the declared type
+
+
+def _alternatives(shown: list[str]) -> str:
+    return shown[0] if len(shown) == 1 else ", ".join(shown[:-1]) + f" or {shown[-1]}"
+
+
+def _dump(value: Any) -> Any:
+    if isinstance(value, Record):
+        return value.model_dump()
+    if isinstance(value, list):
+        return [_dump(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _dump(v) for k, v in value.items()}
+    return value
