@@ -26,7 +26,7 @@ from pathlib import Path, PurePosixPath
 from typing import Literal
 
 from .protocol import control
-from .protocol.records import Record
+from .protocol.records import Record, field
 from ._proctree import ProcessIdentity, identify, is_same
 from ._shm import remove_instance_shm, remove_orphans, shm_dir_of
 from ._mounts import mount_roots
@@ -35,14 +35,15 @@ from ._trust import make_trusted_dirs
 
 
 
+PID_MAX = 1 << 22  # the kernel's pid_max can be at most 4194304
 STOP_REQUEST = "stop.request"  # written into a restoring instance's directory by `vsnap stop`
 
 
 class ProcessRef(Record):
     """A recorded ProcessIdentity."""
 
-    pid: int
-    start_time: int
+    pid: int = field(ge=1, le=PID_MAX)
+    start_time: int = field(ge=0, le=(1 << 63) - 1)
     boot_id: str
 
     @classmethod
@@ -72,7 +73,7 @@ class InstanceRecord(Record):
     activator: ProcessRef | None = None  # the `vsnap activate` process, while activating
     image_digest: str = ""            # the image's manifest, as restored (an activation checks it)
     url: str = ""
-    port: int = 0
+    port: int = field(default=0, ge=0, le=65535)
     gpu: str | None = None
     instance_dir: str
     started_at: float

@@ -27,6 +27,7 @@ LOGS_DIR = "logs"
 DUMP_LOG = "logs/dump.log"
 ENGINE_LOG = "logs/engine.log"
 MAX_MANIFEST_BYTES = 16 << 20
+MAX_BYTES = (1 << 63) - 1  # a size or byte count in the manifest (off_t's range)
 CAPTURED = "captured"  # Manifest.origin of an image made by `vsnap capture`
 # a GPU's UUID as _cuda._format_uuid writes it (the CUDA restore's GPU map parses it back to 16 bytes)
 GPU_UUID = re.compile(r"GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
@@ -46,7 +47,7 @@ class FileEntry(_Frozen):
     64 MiB pieces, so verification runs on every core. docs/image-format.md gives the shell
     command that reproduces it."""
 
-    size: int
+    size: int = field(ge=0, le=MAX_BYTES)
     digest: str
     scheme: Literal["sha256", "sha256-of-64MiB-pieces"]
 
@@ -55,7 +56,7 @@ class Dependency(_Frozen):
     """A host file the tree had mapped or open at capture."""
 
     path: str
-    size: int
+    size: int = field(ge=0, le=MAX_BYTES)
     sha256: str | None = None  # restore checks sizes; `vsnap validate IMAGE` checks contents too
 
 
@@ -113,13 +114,13 @@ class Manifest(_Frozen):
     host: HostFacts
     externals: dict[str, str]          # CRIU mount key -> mount point
     shm_files: list[str] = field(default_factory=list)  # link-remap files to put back in the tree's /dev/shm
-    cuda_processes: int = 0            # processes whose CUDA state was checkpointed
+    cuda_processes: int = field(default=0, ge=0, le=64)  # processes whose CUDA state was checkpointed
     # vllm: tensor_parallel_size (one worker process per GPU) and the GPUs the ranks ran on, in rank
     # order (CUDA ordinal order inside the tree). Optional: an image captured before the fields is
     # one rank on host.gpus[0] (captured_gpus).
     tensor_parallel_size: int = field(default=1, ge=1, le=8)
     gpu_uuids: list[str] = field(default_factory=list)
-    gpu_memory_required: int | None = None  # free GPU memory a restore needs (vLLM's share once awake)
+    gpu_memory_required: int | None = field(default=None, ge=0, le=MAX_BYTES)  # free GPU memory a restore needs (vLLM's share once awake)
     dependencies: list[Dependency] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
     sizes: dict[str, int] = field(default_factory=dict)
@@ -190,8 +191,7 @@ def read_manifest(image_dir: Path) -> Manifest:
     try:
         manifest = Manifest.model_validate_json(data)
     except RecordError as exc:
-        where = ".".join(str(p) for p in exc.loc) or "document"
-        raise ImageFormatError(f"{path} is malformed ({where}: {exc.msg})",
+        raise ImageFormatError(f"{path} is malformed ({exc.where}: {exc.msg})",
                                hint="the manifest was altered or truncated; capture again") from None
     if manifest.protocol_version != PROTOCOL_VERSION:
         raise ImageIncompatible("vsnap", f"{manifest.vsnap_version} (engine protocol {manifest.protocol_version})",

@@ -123,3 +123,68 @@ def test_a_restore_command_imports_no_pydantic() -> None:
     probe = "import sys, vsnap.cli, vsnap._restore; print(sorted(m for m in sys.modules if m.startswith('pydantic')))"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+class Bounded(Record):
+    x: float = field(default=0.0, ge=0, le=10)
+    spec: Any = None
+    items: list[str] = field(default_factory=list)
+
+
+@pytest.mark.parametrize("text,where,message", [
+    ('{"x": 1' + "0" * 400 + "}", "x", "Input should be a finite number"),  # float() of it overflows
+    ('{"x": NaN}', "x", "Input should be greater than or equal to 0"),  # NaN is within no bounds
+    ('{"spec": ' + "[" * 250 + "]" * 250 + "}", "spec", "Input is nested deeper than 200 levels"),
+    ('{"spec": {"a": "\\ud800"}}', "spec", "Input should be a valid string (a lone surrogate)"),
+    ('{"items": ["ok", "\\udc80"]}', "items.1", "Input should be a valid string (a lone surrogate)"),
+])
+def test_hostile_values_are_record_errors_not_crashes(text: str, where: str, message: str) -> None:
+    with pytest.raises(RecordError) as caught:
+        Bounded.model_validate_json(text)
+    assert (caught.value.where, caught.value.msg) == (where, message)
+
+
+@pytest.mark.parametrize("data", ['{"x": 1.0}'.encode("utf-16"), '{"x": 1.0}'.encode("utf-32"),
+                                  b"\xef\xbb\xbf" + b'{"x": 1.0}', "\ufeff" + '{"x": 1.0}'])
+def test_only_utf8_json_without_a_byte_order_mark_is_read(data: bytes | str) -> None:
+    assert Bounded.model_validate_json(b'{"x": 1.0}').x == 1.0
+    with pytest.raises(RecordError, match="Invalid JSON"):
+        Bounded.model_validate_json(data)
+
+
+def test_a_record_keeps_its_own_containers() -> None:
+    items = ["a"]
+    times: dict[str, float] = {}
+    b = Bounded(items=items)
+    s = control.Status(state="recovering", times=times)
+    items.append("b")
+    times["x"] = 1.0
+    assert b.items == ["a"] and s.times == {}  # what was checked stays as it was checked
+
+
+def test_a_copy_with_an_unknown_field_is_a_record_error() -> None:
+    with pytest.raises(RecordError, match="nope: Extra inputs are not permitted"):
+        control.Status(state="serving").model_copy(update={"nope": 1})
+
+
+def test_a_hostile_key_is_shown_cut_and_on_one_line() -> None:
+    key = "a\nFAKE: all good\n" + "x" * 300
+    with pytest.raises(RecordError) as caught:
+        Outer.model_validate({"name": "x", key: 1})
+    assert "\n" not in caught.value.where and len(caught.value.where) < 60 and caught.value.where.startswith("'a\\n")
+
+
+@pytest.mark.parametrize("field_name,value", [("pid", 0), ("pid", (1 << 22) + 1), ("start_time", -1)])
+def test_a_process_record_names_a_real_pid(field_name: str, value: int) -> None:
+    from vsnap._instances import ProcessRef
+
+    document = {"pid": 10, "start_time": 1, "boot_id": "b", field_name: value}
+    with pytest.raises(RecordError, match=field_name):
+        ProcessRef.model_validate(document)
+
+
+@pytest.mark.parametrize("change", [{"gpu_memory_required": 10 ** 400}, {"cuda_processes": -1},
+                                    {"files": {"a": {"size": -5, "digest": "d", "scheme": "sha256"}}}])
+def test_the_manifest_bounds_its_sizes_and_counts(change: dict[str, Any]) -> None:
+    with pytest.raises(RecordError):
+        Manifest.model_validate({**WRITTEN["manifest"], **change})

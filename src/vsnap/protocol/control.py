@@ -251,8 +251,7 @@ def read_message(directory: Path, name: str, model: type[M]) -> M | None:
     try:
         return model.model_validate_json(data)
     except RecordError as exc:
-        where = ".".join(str(p) for p in exc.loc) or "document"
-        raise ControlProtocolError(directory / name, f"malformed ({where}: {exc.msg})") from None
+        raise ControlProtocolError(directory / name, f"malformed ({exc.where}: {exc.msg})") from None
 
 
 def remove_control_files(directory: Path, names: tuple[str, ...] = CONTROL_FILES) -> None:

@@ -39,12 +39,27 @@ class RecordError(ValueError):
     value) and what (``msg``, pydantic's wording)."""
 
     def __init__(self, loc: Loc, msg: str) -> None:
-        super().__init__(f"{'.'.join(map(str, loc)) or 'document'}: {msg}")
         self.loc, self.msg = loc, msg
+        super().__init__(f"{self.where}: {msg}")
+
+    @property
+    def where(self) -> str:
+        """``loc`` as one short line: keys that are not plain words shown quoted and cut (they
+        come from the document, which may be anyone's)."""
+        return ".".join(_shown_key(part) for part in self.loc) or "document"
 
     def errors(self) -> list[dict[str, Any]]:
         """One error, shaped as pydantic's ValidationError.errors() items."""
         return [{"loc": self.loc, "msg": self.msg}]
+
+
+def _shown_key(part: Any) -> str:
+    if isinstance(part, int) or (isinstance(part, str) and part.isascii() and part.replace("_", "a").isalnum()
+                                 and len(part) <= 64):
+        return str(part)
+    if not isinstance(part, str):
+        return type(part).__name__
+    return repr(part[:40] + ("..." if len(part) > 40 else ""))
 
 
 def field(*, default: Any = dataclasses.MISSING, default_factory: Any = dataclasses.MISSING,
@@ -98,11 +113,16 @@ class Record:
 
     @classmethod
     def model_validate_json(cls, data: bytes | str) -> Self:
+        """From JSON text: UTF-8 only (json.loads would also take UTF-16 and UTF-32 bytes), no
+        byte-order mark, nothing nested deeper than MAX_DEPTH, no lone surrogate in a string."""
         try:
-            document = json.loads(data)
+            text = data.decode("utf-8") if isinstance(data, (bytes, bytearray)) else data
+            if text.startswith("\ufeff"):
+                raise ValueError("a byte-order mark")
+            document = json.loads(text)
         except RecursionError:
             raise RecordError((), "Invalid JSON: nested too deep") from None
-        except ValueError as exc:
+        except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError among them
             raise RecordError((), f"Invalid JSON: {exc}") from None
         return cls.model_validate(document)
 
@@ -132,6 +152,9 @@ class Record:
 
     def model_copy(self, *, update: dict[str, Any] | None = None) -> Self:
         """A copy with ``update``'s fields replaced (and checked, as when the record was made)."""
+        for name in update or {}:
+            if name not in self.field_names():
+                raise RecordError((name,), "Extra inputs are not permitted")
         return dataclasses.replace(self, **(update or {}))  # type: ignore[type-var]
 
 
@@ -154,29 +177,21 @@ def _build(cls: type[R], data: Any, loc: Loc) -> R:
 
 
 _MESSAGES = {str: "a valid string", int: "a valid integer", float: "a valid number", bool: "a valid boolean"}
+MAX_DEPTH = 200  # of lists and dicts inside a field of type Any (pydantic refused deeper ones too)
 
 
 def _check_value(hint: Any, value: Any, loc: Loc, bounds: Any = None) -> Any:
-    """``value`` as a field of type ``hint`` holds it (nested records built), or RecordError."""
+    """``value`` as a field of type ``hint`` holds it (nested records built, lists and dicts
+    new), or RecordError."""
     if hint is Any:
+        _check_plain(value, loc)
         return value
     if hint is type(None):
         if value is not None:
             raise RecordError(loc, "Input should be None")
         return value
     if hint in _MESSAGES:
-        if isinstance(value, bool) is not (hint is bool):  # a bool is an int to Python, never here
-            raise RecordError(loc, f"Input should be {_MESSAGES[hint]}")
-        if hint is float and isinstance(value, int):  # JSON has one kind of number: 900 for 900.0
-            value = float(value)
-        elif not isinstance(value, hint):
-            raise RecordError(loc, f"Input should be {_MESSAGES[hint]}")
-        if bounds:
-            if bounds.get("ge") is not None and value < bounds["ge"]:
-                raise RecordError(loc, f"Input should be greater than or equal to {bounds['ge']}")
-            if bounds.get("le") is not None and value > bounds["le"]:
-                raise RecordError(loc, f"Input should be less than or equal to {bounds['le']}")
-        return value
+        return _check_scalar(hint, value, loc, bounds)
     if isinstance(hint, type) and issubclass(hint, Record):
         return _build(hint, value, loc)
     origin, args = typing.get_origin(hint), typing.get_args(hint)
@@ -199,17 +214,66 @@ def _check_value(hint: Any, value: Any, loc: Loc, bounds: Any = None) -> Any:
         if not isinstance(value, list):
             raise RecordError(loc, "Input should be a valid list")
         (item,) = args or (Any,)
-        checked = [_check_value(item, v, loc + (i,)) for i, v in enumerate(value)]
-        return value if all(a is b for a, b in zip(checked, value)) else checked
+        return [_check_value(item, v, loc + (i,)) for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
             raise RecordError(loc, "Input should be a valid dictionary")
         key_type, item = args or (str, Any)
-        checked_dict = {}
-        for k, v in value.items():
-            checked_dict[_check_value(key_type, k, loc + (k,))] = _check_value(item, v, loc + (k,))
-        return value if all(checked_dict[k] is value[k] for k in value) else checked_dict
+        return {_check_value(key_type, k, loc + (k,) if isinstance(k, str) else loc): _check_value(item, v, loc + (k,))
+                for k, v in value.items()}
     raise TypeError(f"records cannot hold {hint!r}")  # a programming error: the declared type
+
+
+def _check_scalar(hint: type, value: Any, loc: Loc, bounds: Any) -> Any:
+    if isinstance(value, bool) is not (hint is bool):  # a bool is an int to Python, never here
+        raise RecordError(loc, f"Input should be {_MESSAGES[hint]}")
+    if hint is float and isinstance(value, int):  # JSON has one kind of number: 900 for 900.0
+        try:
+            value = float(value)
+        except OverflowError:
+            raise RecordError(loc, "Input should be a finite number") from None
+    elif not isinstance(value, hint):
+        raise RecordError(loc, f"Input should be {_MESSAGES[hint]}")
+    if hint is str:
+        _check_text(value, loc)
+    if bounds:  # `not >=`: NaN is within no bounds
+        if bounds.get("ge") is not None and not value >= bounds["ge"]:
+            raise RecordError(loc, f"Input should be greater than or equal to {bounds['ge']}")
+        if bounds.get("le") is not None and not value <= bounds["le"]:
+            raise RecordError(loc, f"Input should be less than or equal to {bounds['le']}")
+    return value
+
+
+def _check_text(text: str, loc: Loc) -> None:
+    """No lone surrogate (json.loads decodes "\\ud800"; it could not be written out as UTF-8)."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise RecordError(loc, "Input should be a valid string (a lone surrogate)") from None
+
+
+def _check_plain(value: Any, loc: Loc) -> None:
+    """A value of a field of type Any: JSON's kinds only, at most MAX_DEPTH lists and dicts deep,
+    no lone surrogate; walked without recursion."""
+    pending: list[tuple[Any, int]] = [(value, 0)]
+    while pending:
+        item, depth = pending.pop()
+        if isinstance(item, str):
+            _check_text(item, loc)
+        elif isinstance(item, (list, tuple, dict)):  # (a tuple from code is written as a list)
+            if depth >= MAX_DEPTH:
+                raise RecordError(loc, f"Input is nested deeper than {MAX_DEPTH} levels")
+            if isinstance(item, dict):
+                for key in item:
+                    if not isinstance(key, str):
+                        raise RecordError(loc, "Input should be a valid dictionary (its keys strings)")
+                    _check_text(key, loc)
+                pending.extend((v, depth + 1) for v in item.values())
+            else:
+                pending.extend((v, depth + 1) for v in item)
+        elif not (item is None or isinstance(item, (bool, int, float))):
+            raise RecordError(loc, f"Input should be a JSON value, not {type(item).__name__}")
 
 
 def _alternatives(shown: list[str]) -> str:
