@@ -337,7 +337,11 @@ def dependency_mismatches(dependencies: list[Dependency], *, hash_files: bool, c
     statted_at = time.time_ns()
     for dep in dependencies:
         path = Path(dep.path)
-        problem = untrusted_file(path, checked) if path.exists() else None
+        try:
+            problem = untrusted_file(path, checked) if path.exists() else None
+        except (OSError, ValueError):  # a name the kernel refuses (too long): no such file here
+            mismatches.append((f"file {dep.path[:200]}", f"{dep.size} bytes", "missing"))
+            continue
         if problem:  # someone else could change it under a restored tree (a mapped .so, the weights)
             mismatches.append((f"file {dep.path}", "root's alone", problem))
             continue

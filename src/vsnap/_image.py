@@ -326,8 +326,8 @@ def verify_files(image_dir: Path, manifest: Manifest, *, cache_root: Path | None
         path = image_dir / rel
         try:
             st = os.lstat(path)
-        except FileNotFoundError:
-            raise ImageTampered(rel, f"{entry.size} bytes", "missing") from None
+        except (OSError, ValueError):  # absent, or a name no file can have (too long)
+            raise ImageTampered(rel[:200], f"{entry.size} bytes", "missing") from None
         if not stat.S_ISREG(st.st_mode):
             raise ImageTampered(rel, "a regular file", "something else")
         if st.st_size != entry.size:

@@ -36,6 +36,14 @@ from ._trust import make_trusted_dirs
 
 
 PID_MAX = 1 << 22  # the kernel's pid_max can be at most 4194304
+INSTANCE_NAME = re.compile(r"(?:capture|r|cold)-[0-9a-f]{8}")  # what new_instance_dir makes
+PATH_MAX = 4096
+
+
+def require_plain_path(path: str, what: str) -> None:
+    """A path a record names and vsnap acts on: absolute, at most PATH_MAX, no NUL (ValueError)."""
+    if not path.startswith("/") or "\0" in path or len(path) > PATH_MAX:
+        raise ValueError(f"{what} must be an absolute path of at most {PATH_MAX} characters, without NUL")
 STOP_REQUEST = "stop.request"  # written into a restoring instance's directory by `vsnap stop`
 
 
@@ -76,7 +84,18 @@ class InstanceRecord(Record):
     port: int = field(default=0, ge=0, le=65535)
     gpu: str | None = None
     instance_dir: str
-    started_at: float
+    started_at: float = field(ge=0)
+
+    def _check(self) -> None:
+        """The id is one new_instance_dir made, and names the instance's directory: vsnap removes
+        files and directories by it (a record is root's, but it is still input)."""
+        if not INSTANCE_NAME.fullmatch(self.id):
+            raise ValueError("id must be an instance name (r-XXXXXXXX)")
+        require_plain_path(self.image, "image")
+        require_plain_path(self.instance_dir, "instance_dir")
+        work = PurePosixPath(self.instance_dir)
+        if work.name != self.id or not work.parent.name.endswith(".instances"):
+            raise ValueError("instance_dir must be CONTROL_DIR.instances/<id>")
 
     @property
     def pid(self) -> int:
@@ -103,9 +122,6 @@ def new_instance_dir(control_dir: Path, prefix: str) -> tuple[str, Path]:
     control.ensure_private_dir(root)
     prune_failed(root)
     return instance_id, control.ensure_private_dir(root / instance_id)
-
-
-INSTANCE_NAME = re.compile(r"(?:capture|r|cold)-[0-9a-f]{8}")  # what new_instance_dir makes
 
 
 def prune_failed(root: Path, keep_s: float = KEEP_FAILED_S) -> list[str]:
@@ -165,7 +181,7 @@ def instance_records() -> tuple[list[InstanceRecord], list[InstanceRecord]]:
             # unreadable: not acted on, and not removed either (another vsnap version on this host
             # may have written it, for an instance it still runs and must still be able to stop)
             continue
-        if record is None:
+        if record is None or path.name != f"{record.id}.json":  # a record under another's name: never acted on
             continue
         if record.running:
             running.append(record)
@@ -203,7 +219,17 @@ class CaptureRecord(Record):
     image: str
     staging: str
     shm_dir: str
-    started_at: float
+    started_at: float = field(ge=0)
+
+    def _check(self) -> None:
+        """What prune_dead_runs removes by it: the capture's own staging directory beside its
+        image and its own /dev/shm directory, nothing a record could point elsewhere."""
+        if not INSTANCE_NAME.fullmatch(self.id):
+            raise ValueError("id must be a capture name (capture-XXXXXXXX)")
+        for value, what in ((self.image, "image"), (self.staging, "staging"), (self.shm_dir, "shm_dir")):
+            require_plain_path(value, what)
+        if self.shm_dir != str(shm_dir_of(self.id)):
+            raise ValueError(f"shm_dir must be {shm_dir_of(self.id)}")
 
 
 def captures_dir() -> Path:
@@ -243,7 +269,7 @@ def prune_dead_runs() -> list[str]:
             record = control.read_message(directory, path.name, CaptureRecord)
         except control.ControlProtocolError:
             continue
-        if record is None:
+        if record is None or path.name != f"{record.id}.json":
             continue
         if is_same(record.owner.identity):
             known.add(Path(record.shm_dir).name)

@@ -28,6 +28,8 @@ DUMP_LOG = "logs/dump.log"
 ENGINE_LOG = "logs/engine.log"
 MAX_MANIFEST_BYTES = 16 << 20
 MAX_BYTES = (1 << 63) - 1  # a size or byte count in the manifest (off_t's range)
+PATH_MAX = 4096
+CRIU_KEY = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # a CRIU external key (_criu_options.external_mounts: m0, m1...)
 CAPTURED = "captured"  # Manifest.origin of an image made by `vsnap capture`
 # a GPU's UUID as _cuda._format_uuid writes it (the CUDA restore's GPU map parses it back to 16 bytes)
 GPU_UUID = re.compile(r"GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
@@ -58,6 +60,16 @@ class Dependency(_Frozen):
     path: str
     size: int = field(ge=0, le=MAX_BYTES)
     sha256: str | None = None  # restore checks sizes; `vsnap validate IMAGE` checks contents too
+
+    def _check(self) -> None:
+        require_host_path(self.path, "a dependency's path")
+
+
+def require_host_path(path: str, what: str) -> None:
+    """A host path the manifest names and vsnap stats or hands to CRIU: absolute, at most
+    PATH_MAX, no NUL (ValueError: the record's error)."""
+    if not path.startswith("/") or "\0" in path or len(path) > PATH_MAX:
+        raise ValueError(f"{what} must be an absolute path of at most {PATH_MAX} characters, without NUL")
 
 
 class HostFacts(_Frozen):
@@ -133,7 +145,17 @@ class Manifest(_Frozen):
     origin: str = CAPTURED
 
     def _check(self) -> None:
-        """One GPU per rank, each named by its UUID."""
+        """One GPU per rank, each named by its UUID; CRIU's keys plain words and the paths it is
+        given plain absolute paths (they reach its command line); file names without NUL."""
+        for key in (self.control_mount_key, self.shm_mount_key, self.netns_key, *self.externals):
+            if not CRIU_KEY.fullmatch(key):
+                raise ValueError("a CRIU external key must be 1 to 64 of A-Z a-z 0-9 _ . -")
+        require_host_path(self.control_dir, "control_dir")
+        for mountpoint in self.externals.values():
+            require_host_path(mountpoint, "an external mount point")
+        for name in (*self.files, *self.shm_files):
+            if "\0" in name or len(name) > PATH_MAX:
+                raise ValueError(f"a file name must be at most {PATH_MAX} characters, without NUL")
         if self.gpu_uuids and (len(self.gpu_uuids) != self.tensor_parallel_size
                                or len(set(self.gpu_uuids)) != len(self.gpu_uuids)):
             raise ValueError(f"gpu_uuids must name {self.tensor_parallel_size} different GPUs, one per rank")
@@ -181,9 +203,12 @@ def read_manifest(image_dir: Path) -> Manifest:
         raw = None
     # The version first, from the raw document: another version may have other fields.
     version = raw.get("format_version") if isinstance(raw, dict) else None
-    if isinstance(version, int) and version != FORMAT_VERSION:
+    if isinstance(version, int) and not isinstance(version, bool) and version != FORMAT_VERSION:
         host = raw.get("host") if isinstance(raw.get("host"), dict) else {}
-        recorded = str(raw.get("vsnap_version") or host.get("vsnap") or "unknown")
+        # from a document nothing has checked yet: printable, one line, short
+        recorded = str(raw.get("vsnap_version") or host.get("vsnap") or "unknown")[:64]
+        recorded = recorded.encode("utf-8", "backslashreplace").decode("ascii", "backslashreplace")
+        version = max(min(version, 10**6), -1)
         error = ImageIncompatible("vsnap", f"{recorded} (image format {version})",
                                   f"vsnap {_vsnap_version()} (image format {FORMAT_VERSION})")
         error.format_version = version

@@ -114,6 +114,25 @@ def namespace_pids(pid: int) -> list[int]:
     return []
 
 
+def is_tree_root(identity: ProcessIdentity) -> bool:
+    """Is ``identity`` (still) the first process of a PID namespace of its own, one level below
+    ours, as every tree vsnap launches or restores is? A record naming any other process names
+    no tree of vsnap's: it is never signalled through that record."""
+    return namespace_pids(identity.pid)[1:] == [1] and is_same(identity)
+
+
+def is_vsnap_command(pid: int) -> bool:
+    """Does ``pid`` run the vsnap command (the console script, or ``python -m vsnap``)? What a
+    record names as the owner or activator of an instance is signalled only then."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        return False
+    return any(os.path.basename(a) == "vsnap" for a in argv[:2]) or any(
+        a == "-m" and b in ("vsnap", "vsnap.cli") for a, b in zip(argv, argv[1:]))
+
+
 def in_tree_namespace(pid: int, root: ProcessIdentity) -> bool:
     """Is ``pid`` in the PID namespace whose first process ``root`` is (still the same process)?"""
     try:

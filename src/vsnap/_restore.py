@@ -37,7 +37,7 @@ from ._netns import NetnsHolder
 from ._instances import (InstanceRecord, ProcessRef, new_instance_dir, prune_dead_runs, register, request_stop,
                          running_instances, stop_requested, this_process, unregister)
 from ._proctree import (ProcessIdentity, alive, become_subreaper, identify_restored_root, in_tree_namespace, is_same,
-                        kill_tree, our_children, reap, tree_memory_bytes, tree_pids)
+                        is_tree_root, is_vsnap_command, kill_tree, our_children, reap, tree_memory_bytes, tree_pids)
 from ._shm import instance_shm_dir, put_back, remove_instance_shm, shm_dir_of
 from ._origin import manifest_sha256
 from ._paths import RUNTIME_DIR, require_runtime_dir, require_safe_directory
@@ -145,7 +145,7 @@ def _engine_failure(report: ErrorReport, log: Path) -> EngineError:
         d = report.detail
         return OracleMismatch(_int(d.get("prompt")), _int(d.get("position")), str(d.get("expected", "?"))[:200],
                               str(d.get("actual", "?"))[:200], log_path=log)
-    return EngineError(report.phase, report.type, report.message, log_path=log)
+    return EngineError(report.phase[:100], report.type[:100], report.message[:2000], log_path=log)  # the tree's words, cut
 
 
 def _wait_status(control_dir: Path, tree: ProcessIdentity, want: tuple[str, ...], phase: str, log: Path) -> Status:
@@ -605,6 +605,10 @@ def activate_instance(instance_id: str, *, host: str = "127.0.0.1", port: int = 
             if record.tree is None or Path(record.instance_dir).name != record.id:
                 raise ProcessTreeError(None, f"the record of {record.id} names no tree, or another directory",
                                        phase="activate")
+            if is_same(record.tree.identity) and not is_tree_root(record.tree.identity):
+                raise ProcessTreeError(record.tree.pid, f"the record of {record.id} names pid {record.tree.pid}, "
+                                       "which is not the first process of a PID namespace of its own: not a vsnap "
+                                       "tree", phase="activate")
             identity = record.tree.identity
             work, image_dir = Path(record.instance_dir), Path(record.image)
             held.enter_context(activation_lock(work, instance_id))
@@ -687,6 +691,7 @@ def stop_server(server: RestoredServer | InstanceRecord, grace_s: float = 10.0) 
         if Path(server.instance_dir).name != server.id:
             raise ProcessTreeError(None, f"the record of {server.id} names another directory ({server.instance_dir})",
                                    phase="stop")
+        _require_tree_root(server)
         if server.state in ("restoring", "activating"):
             _stop_restoring(server)
             return
@@ -700,6 +705,16 @@ def stop_server(server: RestoredServer | InstanceRecord, grace_s: float = 10.0) 
     unregister(instance_id)
     shutil.rmtree(work, ignore_errors=True)
     remove_instance_shm(shm_dir_of(instance_id))
+
+
+def _require_tree_root(record: InstanceRecord) -> None:
+    """A record's tree is signalled only while it is the first process of a PID namespace of its
+    own (_proctree.is_tree_root): a record naming another process (crafted, or left by a bug) is
+    refused, not acted on."""
+    if record.tree is not None and is_same(record.tree.identity) and not is_tree_root(record.tree.identity):
+        raise ProcessTreeError(record.tree.pid, f"the record of {record.id} names pid {record.tree.pid}, which is not "
+                               "the first process of a PID namespace of its own: not a vsnap tree, not signalled",
+                               phase="stop")
 
 
 def _stop_restoring(record: InstanceRecord) -> None:
@@ -716,8 +731,10 @@ def _stop_restoring(record: InstanceRecord) -> None:
         if working is None or not is_same(working.identity):
             break  # its vsnap process died (SIGKILL) without cleaning up: no one will answer the request
         time.sleep(0.05)
-    kill_tree((record.activator or record.owner).identity, grace_s=5)  # a stuck restore: end it, then the tree
-    if record.tree is not None:
+    stuck = (record.activator or record.owner).identity
+    if is_vsnap_command(stuck.pid):  # a stuck restore: end it (never another program a record names), then the tree
+        kill_tree(stuck, grace_s=5)
+    if record.tree is not None and is_tree_root(record.tree.identity):
         kill_tree(record.tree.identity)
     unregister(record.id)
     remove_instance_shm(shm_dir_of(record.id))

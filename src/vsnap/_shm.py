@@ -38,7 +38,7 @@ def _ours(directory: Path) -> bool:
     """A directory vsnap made for a tree: a real directory named vsnap-*, in /dev/shm, root's, private."""
     try:
         st = os.lstat(directory)
-    except FileNotFoundError:
+    except (OSError, ValueError):  # absent, or no path at all (a NUL, too long)
         return False
     return (directory.parent == SHM and directory.name.startswith("vsnap-") and stat.S_ISDIR(st.st_mode)
             and st.st_uid == os.geteuid() and not st.st_mode & 0o077)
@@ -65,8 +65,9 @@ def put_back(saved_dir: Path, names: list[str], directory: Path) -> None:
 
 
 def remove_instance_shm(directory: Path) -> None:
-    """Remove a tree's /dev/shm directory, and nothing that vsnap did not make (see _ours)."""
-    if _ours(directory):
+    """Remove a tree's /dev/shm directory, and nothing that vsnap did not make (see _ours), nor
+    one a live tree has bound (whatever a record says)."""
+    if _ours(directory) and directory.name not in _mounted_names():
         shutil.rmtree(directory, ignore_errors=True)
 
 

@@ -119,12 +119,12 @@ def records() -> list:
     now = time.time()
     identity = {"owner": {"pid": 4242, "start_time": 1, "boot_id": "b"},
                 "tree": {"pid": 1234567, "start_time": 2, "boot_id": "b"}, "state": "serving"}
-    long = InstanceRecord(id="restore-1a2b3c4d", name="llama", url="http://[2001:db8::1234:5678]:65535", port=65535,
+    long = InstanceRecord(id="r-1a2b3c4d", name="llama", url="http://[2001:db8::1234:5678]:65535", port=65535,
                           image="/var/lib/vsnap/images/meta-llama-3.1-8b-instruct-bf16-h200-with-a-long-name",
-                          gpu="GPU-4ad1c6d3-1b5e-7f8a-9b0c-123456789abc", instance_dir="/run/x",
+                          gpu="GPU-4ad1c6d3-1b5e-7f8a-9b0c-123456789abc", instance_dir="/run/x.instances/r-1a2b3c4d",
                           started_at=now - 3 * 86400 - 4 * 3600, **identity)
     short = InstanceRecord(id="r-dd32cc98", name="cpu-tiny", url="http://127.0.0.1:8000", port=8000,
-                           image="/var/lib/vsnap/images/cpu-tiny", instance_dir="/run/y", started_at=now - 305,
+                           image="/var/lib/vsnap/images/cpu-tiny", instance_dir="/run/y.instances/r-dd32cc98", started_at=now - 305,
                            **identity)
     return [long, short]
 
@@ -140,7 +140,7 @@ def test_ps_fits_80_columns(monkeypatch: pytest.MonkeyPatch) -> None:
     assert lines and max(len(line) for line in lines) <= 80
     text = out.getvalue()
     # every column is there; the long image path wraps in its column instead of being cut
-    for expected in ("restore-1a2b3c4d", "r-dd32cc98", "4ad1c6d3", "127.0.0.1:8000", "1234567", "3d04h", "5m05s"):
+    for expected in ("r-1a2b3c4d", "r-dd32cc98", "4ad1c6d3", "127.0.0.1:8000", "1234567", "3d04h", "5m05s"):
         assert expected in text
     column = lines[0].index("image")
     wrapped = "".join(line[column:].split(" ")[0] for line in lines[2:] if len(line) > column)
@@ -152,13 +152,14 @@ def test_ps_shows_restoring_and_gone_instances(monkeypatch: pytest.MonkeyPatch) 
     out = io.StringIO()
     monkeypatch.setattr(_render, "stdout", Console(file=out, width=80, color_system=None, soft_wrap=True))
     long, short = records()
-    restoring = short.model_copy(update={"id": "r-restor01", "state": "restoring", "tree": None, "url": ""})
+    restoring = short.model_copy(update={"id": "r-0e570e01", "instance_dir": "/run/y.instances/r-0e570e01",
+                                         "state": "restoring", "tree": None, "url": ""})
     monkeypatch.setattr(ps_cli, "_records", lambda: ([restoring], [long]))
     assert invoke("ps").exit_code == 0
     rows = {line.split()[0]: line for line in out.getvalue().splitlines() if line.startswith(("r-", "restore-"))}
-    assert rows["r-restor01"].rstrip().endswith("restoring") and rows["restore-1a2b3c4d"].rstrip().endswith("gone")
+    assert rows["r-0e570e01"].rstrip().endswith("restoring") and rows["r-1a2b3c4d"].rstrip().endswith("gone")
     doc = document(invoke("ps", "--json"))
-    assert [r["id"] for r in doc["instances"]] == ["r-restor01"] and [r["id"] for r in doc["gone"]] == [long.id]
+    assert [r["id"] for r in doc["instances"]] == ["r-0e570e01"] and [r["id"] for r in doc["gone"]] == [long.id]
 
 
 def test_ps_json_keeps_the_full_record(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -62,9 +62,9 @@ def test_a_record_whose_pid_was_reused_is_gone_and_never_signalled(tmp_path: Pat
         me = this_process()
         real = ProcessRef(pid=bystander.pid, start_time=_instances.identify(bystander.pid).start_time, boot_id=me.boot_id)
         reused = real.model_copy(update={"start_time": real.start_time - 1})  # the instance's tree started earlier
-        directory = tmp_path / "ctl.instances" / "r-dead"
+        directory = tmp_path / "ctl.instances" / "r-0000dead"
         directory.mkdir(parents=True)
-        record = InstanceRecord(id="r-dead", image="/i", name="n", state="serving", owner=me, tree=reused,
+        record = InstanceRecord(id="r-0000dead", image="/i", name="n", state="serving", owner=me, tree=reused,
                                 url="http://x", port=1, instance_dir=str(directory), started_at=time.time())
         register(record)
         assert not record.running
@@ -72,7 +72,7 @@ def test_a_record_whose_pid_was_reused_is_gone_and_never_signalled(tmp_path: Pat
         assert bystander.poll() is None
         register(record)
         running, gone = instance_records()
-        assert running == [] and [r.id for r in gone] == ["r-dead"]
+        assert running == [] and [r.id for r in gone] == ["r-0000dead"]
         assert running_instances() == []  # pruned
         assert list((tmp_path / "run" / "instances").iterdir()) == []
         live = record.model_copy(update={"tree": real})
@@ -134,20 +134,45 @@ def test_standby_records_follow_their_tree_and_unreadable_records_are_kept(tmp_p
     me = this_process()
     dead = me.model_copy(update={"start_time": me.start_time - 1})
     for state in ("standby", "activating", "serving"):
-        record = InstanceRecord(id="r-1", image="/i", name="n", state=state, owner=dead, tree=me,
-                                instance_dir=str(tmp_path / "r-1"), started_at=time.time())
+        record = InstanceRecord(id="r-00000001", image="/i", name="n", state=state, owner=dead, tree=me,
+                                instance_dir=str(tmp_path / "c.instances" / "r-00000001"), started_at=time.time())
         assert record.running, state  # its owner is gone (a detached standby), its tree is not
         assert not record.model_copy(update={"tree": dead}).running, state
-    restoring = InstanceRecord(id="r-2", image="/i", name="n", state="restoring", owner=me,
-                               instance_dir=str(tmp_path / "r-2"), started_at=time.time())
+    restoring = InstanceRecord(id="r-00000002", image="/i", name="n", state="restoring", owner=me,
+                               instance_dir=str(tmp_path / "c.instances" / "r-00000002"), started_at=time.time())
     assert restoring.running  # no tree yet: its restoring owner is what runs
     register(restoring)
     foreign = _instances.registry_dir() / "r-3.json"
     foreign.write_text('{"id": "r-3", "state": "hibernating", "from": "a later vsnap"}')
     os.chmod(foreign, 0o600)
     running, gone = instance_records()
-    assert [r.id for r in running] == ["r-2"] and gone == []
+    assert [r.id for r in running] == ["r-00000002"] and gone == []
     assert foreign.exists()
+
+
+class NamespaceTree:
+    """A `sleep` that is PID 1 of a PID namespace of its own, as a vsnap tree's root is (needs root)."""
+
+    def __init__(self) -> None:
+        import shutil
+        import subprocess
+
+        if os.geteuid() != 0 or shutil.which("unshare") is None:
+            pytest.skip("makes a PID namespace: needs root and unshare")
+        self.unshare = subprocess.Popen(["unshare", "--pid", "--fork", "sleep", "60"])
+        deadline = time.monotonic() + 10
+        while True:
+            children = Path(f"/proc/{self.unshare.pid}/task/{self.unshare.pid}/children").read_text().split()
+            if children and _instances.identify(int(children[0])) is not None:
+                self.pid = int(children[0])
+                break
+            assert time.monotonic() < deadline, "unshare did not start its child"
+            time.sleep(0.01)
+        self.ref = _instances.ProcessRef.of(_instances.identify(self.pid))
+
+    def close(self) -> None:
+        self.unshare.kill()
+        self.unshare.wait()
 
 
 def test_stopping_an_activation_whose_vsnap_died_does_not_wait(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -156,6 +181,7 @@ def test_stopping_an_activation_whose_vsnap_died_does_not_wait(tmp_path: Path, m
     import subprocess
 
     from vsnap._instances import ProcessRef, running_instances
+    from vsnap._proctree import is_same
     from vsnap._restore import stop_server
 
     monkeypatch.setattr(_instances, "RUNTIME_DIR", tmp_path / "run")
@@ -164,21 +190,89 @@ def test_stopping_an_activation_whose_vsnap_died_does_not_wait(tmp_path: Path, m
     dead_ref = ProcessRef(pid=dead.pid, start_time=_instances.identify(dead.pid).start_time, boot_id=me.boot_id)
     dead.kill()
     dead.wait()
-    tree = subprocess.Popen(["sleep", "60"])  # the half-activated standby's tree (our child here)
+    tree = NamespaceTree()  # the half-activated standby's tree
     try:
-        tree_ref = ProcessRef(pid=tree.pid, start_time=_instances.identify(tree.pid).start_time, boot_id=me.boot_id)
         directory = tmp_path / "ctl.instances" / "r-0000000f"
         directory.mkdir(parents=True, mode=0o700)
         os.chmod(directory.parent, 0o700)
-        register(InstanceRecord(id="r-0000000f", image="/i", name="n", state="activating", owner=me, tree=tree_ref,
+        register(InstanceRecord(id="r-0000000f", image="/i", name="n", state="activating", owner=me, tree=tree.ref,
                                 activator=dead_ref, instance_dir=str(directory), started_at=time.time()))
         started = time.monotonic()
         stop_server(running_instances()[0])
         assert time.monotonic() - started < 10
-        assert tree.wait(timeout=10) is not None and running_instances() == []
+        deadline = time.monotonic() + 10
+        while is_same(tree.ref.identity) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not is_same(tree.ref.identity) and running_instances() == []
     finally:
-        tree.kill()
-        tree.wait()
+        tree.close()
+
+
+def test_a_record_naming_a_process_that_is_no_tree_is_never_signalled(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hostile pass 11: a record (root's, but input) naming the identity of an unrelated process got it
+    killed by `vsnap stop`, and its instance_dir removed; one naming an unrelated owner got that
+    killed after STOP_WAIT_S."""
+    import subprocess
+
+    from vsnap._instances import ProcessRef, running_instances
+    from vsnap._restore import stop_server
+    from vsnap.protocol.errors import ProcessTreeError
+
+    monkeypatch.setattr(_instances, "RUNTIME_DIR", tmp_path / "run")
+    bystander = subprocess.Popen(["sleep", "60"])
+    try:
+        ref = ProcessRef.of(_instances.identify(bystander.pid))
+        directory = tmp_path / "ctl.instances" / "r-0000b0b0"
+        directory.mkdir(parents=True, mode=0o700)
+        (directory / "keep").write_text("x")
+        register(InstanceRecord(id="r-0000b0b0", image="/i", name="n", state="serving", owner=this_process(), tree=ref,
+                                instance_dir=str(directory), started_at=time.time()))
+        [record] = running_instances()
+        with pytest.raises(ProcessTreeError, match="not the first process of a PID namespace"):
+            stop_server(record)
+        assert bystander.poll() is None and (directory / "keep").exists()
+        # a restoring record whose "owner" is not vsnap: after the wait, the owner is not signalled
+        monkeypatch.setattr("vsnap._restore.STOP_WAIT_S", 0.2)
+        stuck = record.model_copy(update={"state": "restoring", "tree": None, "owner": ref})
+        register(stuck)
+        stop_server(stuck)
+        assert bystander.poll() is None
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
+def test_a_record_under_another_name_or_with_a_crafted_id_is_not_acted_on(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hostile pass 11: a dead record whose id was a path ("../../../tmp/victim") or another live
+    instance's id made `vsnap ps` delete that file (or the live record) and the live tree's /dev/shm."""
+    import json
+
+    from vsnap._instances import instance_records, registry_dir
+    from vsnap.protocol.records import RecordError
+
+    monkeypatch.setattr(_instances, "RUNTIME_DIR", tmp_path / "run")
+    victim = tmp_path / "victim.json"
+    victim.write_text("{}")
+    dead = this_process().model_copy(update={"start_time": this_process().start_time - 1}).model_dump()
+    for name, record_id in (("trav.json", "../../../" + str(victim)[1:-5]), ("a-shadow.json", "r-0000abcd")):
+        path = registry_dir() / name
+        path.write_text(json.dumps({"id": record_id, "image": "/i", "name": "n", "state": "restoring", "owner": dead,
+                                    "instance_dir": f"/c.instances/{record_id}", "started_at": 1.0}))
+        os.chmod(path, 0o600)
+    live = registry_dir() / "r-0000abcd.json"
+    register(InstanceRecord(id="r-0000abcd", image="/i", name="n", state="restoring", owner=this_process(),
+                            instance_dir="/c.instances/r-0000abcd", started_at=time.time()))
+    running, gone = instance_records()
+    assert [r.id for r in running] == ["r-0000abcd"] and gone == []
+    assert victim.exists() and live.exists() and (registry_dir() / "a-shadow.json").exists()
+    with pytest.raises(RecordError, match="id must be an instance name"):
+        InstanceRecord(id="../x", image="/i", name="n", state="serving", owner=this_process(),
+                       instance_dir="/c.instances/../x", started_at=1.0)
+    with pytest.raises(RecordError, match="absolute path"):
+        InstanceRecord(id="r-00000001", image="/i\0", name="n", state="serving", owner=this_process(),
+                       instance_dir="/c.instances/r-00000001", started_at=1.0)
 
 
 def test_a_directory_a_live_tree_has_bound_is_never_pruned(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

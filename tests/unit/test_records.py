@@ -133,7 +133,8 @@ class Bounded(Record):
 
 @pytest.mark.parametrize("text,where,message", [
     ('{"x": 1' + "0" * 400 + "}", "x", "Input should be a finite number"),  # float() of it overflows
-    ('{"x": NaN}', "x", "Input should be greater than or equal to 0"),  # NaN is within no bounds
+    ('{"x": NaN}', "x", "Input should be a finite number"),
+    ('{"x": -Infinity}', "x", "Input should be a finite number"),
     ('{"spec": ' + "[" * 250 + "]" * 250 + "}", "spec", "Input is nested deeper than 200 levels"),
     ('{"spec": {"a": "\\ud800"}}', "spec", "Input should be a valid string (a lone surrogate)"),
     ('{"items": ["ok", "\\udc80"]}', "items.1", "Input should be a valid string (a lone surrogate)"),
@@ -188,3 +189,54 @@ def test_a_process_record_names_a_real_pid(field_name: str, value: int) -> None:
 def test_the_manifest_bounds_its_sizes_and_counts(change: dict[str, Any]) -> None:
     with pytest.raises(RecordError):
         Manifest.model_validate({**WRITTEN["manifest"], **change})
+
+
+def test_an_oracle_with_nan_reads_and_then_fails_as_a_mismatch() -> None:
+    from vsnap.protocol.errors import OracleMismatch
+    from vsnap.protocol.oracle import compare_oracles
+
+    text = '{"samples": [{"prompt": "p", "token_ids": [1], "logprobs": [{"1": NaN}]}]}'
+    broken = Oracle.model_validate_json(text)  # what a broken restore computes is reported, not refused
+    good = Oracle.model_validate_json(text.replace("NaN", "-0.5"))
+    with pytest.raises(OracleMismatch):
+        compare_oracles(good, broken, 1.0)
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"control_mount_key": "m0 --action-script /tmp/x"}, "CRIU external key"),
+    ({"externals": {"m5": "/srv\u0000x"}}, "external mount point"),
+    ({"dependencies": [{"path": "relative/lib.so", "size": 1}]}, "a dependency's path"),
+    ({"dependencies": [{"path": "/lib/" + "x" * 5000, "size": 1}]}, "a dependency's path"),
+    ({"shm_files": ["link_remap.1\u0000"]}, "file name"),
+    ({"sizes": {"image_bytes": 10 ** 30}}, "64 bits"),
+    ({"processes": [{"anonymous_bytes": 10 ** 30}]}, "64 bits"),
+    ({"timings": {"capture_s": float("inf")}}, "finite"),
+])
+def test_what_the_manifest_hands_to_criu_or_the_kernel_is_plain(change: dict[str, Any], message: str) -> None:
+    with pytest.raises(RecordError, match=message):
+        Manifest.model_validate({**WRITTEN["manifest"], **change})
+
+
+def test_a_control_file_too_large_is_refused_before_it_is_read(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    directory = control.ensure_private_dir(tmp_path / "c")
+    control.write_atomic(directory, control.STATUS, b'{"state": "serving"}' + b" " * 2000)
+    monkeypatch.setattr(control, "MAX_CONTROL_BYTES", 1000)
+    with pytest.raises(control.ControlProtocolError, match="holds 2020 bytes"):
+        control.read_message(directory, control.STATUS, control.Status)
+
+
+def test_another_format_versions_message_is_printable_and_short(tmp_path: Path) -> None:
+    from tests.unit import fake_image
+    from vsnap._manifest import read_manifest
+    from vsnap.protocol.errors import ImageIncompatible
+
+    image = fake_image.make_image(tmp_path / "images" / "other", raw={"format_version": 3, "vsnap_version": "\ud800" + "v" * 500})
+    with pytest.raises(ImageIncompatible) as caught:
+        read_manifest(image)
+    text = str(caught.value)
+    text.encode("utf-8")  # no lone surrogate left to crash a terminal's encoder
+    assert "\\ud800" in text and len(text) < 400
+    fake_image.make_image(tmp_path / "images" / "bool", raw={"format_version": True})
+    with pytest.raises(Exception, match="malformed"):  # a bool is not a format version
+        read_manifest(tmp_path / "images" / "bool")

@@ -29,13 +29,16 @@ if TYPE_CHECKING:
 
 JSON_FORMAT_VERSION = 1
 
-# C0 controls but tab and newline, DEL, C1 controls (0x9b is CSI on many terminals)
-CONTROL_CHARACTERS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+# C0 controls but tab and newline, DEL, C1 controls (0x9b is CSI on many terminals), and lone
+# surrogates (no terminal encoding can write one: the console would raise)
+CONTROL_CHARACTERS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff]")
 
 
 def clean(text: str) -> str:
-    """``text`` with every control character (ESC included) written as ``\\xNN``."""
-    return CONTROL_CHARACTERS.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+    """``text`` with every control character (ESC included) written as ``\\xNN`` (a lone
+    surrogate as ``\\uNNNN``)."""
+    return CONTROL_CHARACTERS.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100
+                                  else f"\\u{ord(m.group()):04x}", text)
 
 
 def escape(text: str) -> str:

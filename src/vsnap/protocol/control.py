@@ -43,6 +43,8 @@ OWNER = "owner.json"
 LISTENER = "listen.sock"  # where the engine receives its HTTP socket (SCM_RIGHTS) after validation
 ENGINE_LOG = "engine.log"
 CONTROL_FILES = (READY, ACTIVATION, STANDBY, STATUS, ERROR, OWNER)
+# ready.json carries the oracle: at most 64 prompts x 512 tokens x 20 log probabilities, ~20 MB
+MAX_CONTROL_BYTES = 64 << 20
 
 # The vsnap process that owns a tree (the capture, or a foreground restore) writes owner.json
 # every OWNER_BEAT_S; a tree whose owner fell silent for OWNER_TIMEOUT_S shuts itself down, so a
@@ -234,9 +236,14 @@ def read_bytes(directory: Path, name: str) -> bytes | None:
             raise ControlProtocolError(path, f"was written by uid {st.st_uid}, not by us (uid {os.geteuid()})")
         if st.st_mode & 0o022:
             raise ControlProtocolError(path, f"has mode {stat.S_IMODE(st.st_mode):04o}; others could have written it")
-        chunks = []
-        while chunk := os.read(fd, 1 << 20):
+        if st.st_size > MAX_CONTROL_BYTES:  # a tree (or whoever wrote it) must not fill root's memory
+            raise ControlProtocolError(path, f"holds {st.st_size} bytes; a control file holds at most {MAX_CONTROL_BYTES}")
+        chunks, left = [], MAX_CONTROL_BYTES + 1
+        while left > 0 and (chunk := os.read(fd, min(1 << 20, left))):
             chunks.append(chunk)
+            left -= len(chunk)
+        if left <= 0:
+            raise ControlProtocolError(path, f"grew past {MAX_CONTROL_BYTES} bytes while it was read")
         return b"".join(chunks)
     finally:
         os.close(fd)

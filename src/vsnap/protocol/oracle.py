@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 from .errors import OracleMismatch
-from .records import Record
+from .records import Record, field
 
 
 class OracleSample(Record):
@@ -20,7 +20,8 @@ class OracleSample(Record):
     token_ids: list[int]
     text: str = ""
     # one dict per generated position: token id (as a string, JSON keys are strings) -> logprob
-    logprobs: list[dict[str, float]]
+    # (NaN or -inf taken: compare_oracles fails them, as a mismatch)
+    logprobs: list[dict[str, float]] = field(finite=False)
 
 
 class Oracle(Record):

@@ -8,10 +8,12 @@ exactly the declared shape (a missing field, an unknown one, a value of another 
 number out of its bounds), naming the path to the first bad value the way pydantic did. The
 method names are pydantic's, so callers read the same.
 
-What a field may hold: str, int (never a bool), float (an int is taken as a float), bool,
+What a field may hold: str (no lone surrogate), int (never a bool; 64 bits), float (finite; an
+int is taken as a float), bool,
 None, ``X | None`` and other unions (the first that fits), ``Literal[...]``, ``list[X]``,
 ``dict[str, X]``, ``Any`` (any JSON value) and another Record (from a JSON object). ``field(ge=,
-le=)`` bounds a number. A record may check itself as a whole in ``_check`` (raise ValueError).
+le=)`` bounds a number, ``field(finite=False)`` takes NaN and infinities (the oracle's log
+probabilities: a NaN there is a mismatch to report, not a malformed message). A record may check itself as a whole in ``_check`` (raise ValueError).
 
 A leaf: imports nothing of vsnap (the engine tree imports it through protocol.control).
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import types
 import typing
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar, Union
@@ -63,9 +66,11 @@ def _shown_key(part: Any) -> str:
 
 
 def field(*, default: Any = dataclasses.MISSING, default_factory: Any = dataclasses.MISSING,
-          ge: float | None = None, le: float | None = None) -> Any:
-    """A field with a default and/or bounds (``ge``/``le``: for int and float fields)."""
-    return dataclasses.field(default=default, default_factory=default_factory, metadata={"ge": ge, "le": le})
+          ge: float | None = None, le: float | None = None, finite: bool = True) -> Any:
+    """A field with a default and/or bounds for its numbers (``ge``/``le``, and ``finite=False``
+    to let its floats be NaN or infinite; inside lists and dicts too)."""
+    return dataclasses.field(default=default, default_factory=default_factory,
+                             metadata={"ge": ge, "le": le, "finite": finite})
 
 
 @dataclass_transform(kw_only_default=True, frozen_default=True, field_specifiers=(field,))
@@ -178,6 +183,7 @@ def _build(cls: type[R], data: Any, loc: Loc) -> R:
 
 _MESSAGES = {str: "a valid string", int: "a valid integer", float: "a valid number", bool: "a valid boolean"}
 MAX_DEPTH = 200  # of lists and dicts inside a field of type Any (pydantic refused deeper ones too)
+INT_LIMIT = 1 << 63  # every int a record holds fits in 64 bits (sizes, pids, counts)
 
 
 def _check_value(hint: Any, value: Any, loc: Loc, bounds: Any = None) -> Any:
@@ -214,13 +220,13 @@ def _check_value(hint: Any, value: Any, loc: Loc, bounds: Any = None) -> Any:
         if not isinstance(value, list):
             raise RecordError(loc, "Input should be a valid list")
         (item,) = args or (Any,)
-        return [_check_value(item, v, loc + (i,)) for i, v in enumerate(value)]
+        return [_check_value(item, v, loc + (i,), bounds) for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
             raise RecordError(loc, "Input should be a valid dictionary")
         key_type, item = args or (str, Any)
-        return {_check_value(key_type, k, loc + (k,) if isinstance(k, str) else loc): _check_value(item, v, loc + (k,))
-                for k, v in value.items()}
+        return {_check_value(key_type, k, loc + (k,) if isinstance(k, str) else loc):
+                _check_value(item, v, loc + (k,), bounds) for k, v in value.items()}
     raise TypeError(f"records cannot hold {hint!r}")  # a programming error: the declared type
 
 
@@ -234,6 +240,10 @@ def _check_scalar(hint: type, value: Any, loc: Loc, bounds: Any) -> Any:
             raise RecordError(loc, "Input should be a finite number") from None
     elif not isinstance(value, hint):
         raise RecordError(loc, f"Input should be {_MESSAGES[hint]}")
+    if hint is float and not math.isfinite(value) and (not bounds or bounds.get("finite", True)):
+        raise RecordError(loc, "Input should be a finite number")  # NaN and Infinity, unless the field takes them
+    if hint is int and not -INT_LIMIT <= value < INT_LIMIT:
+        raise RecordError(loc, "Input should be an integer of at most 64 bits")
     if hint is str:
         _check_text(value, loc)
     if bounds:  # `not >=`: NaN is within no bounds
@@ -272,6 +282,10 @@ def _check_plain(value: Any, loc: Loc) -> None:
                 pending.extend((v, depth + 1) for v in item.values())
             else:
                 pending.extend((v, depth + 1) for v in item)
+        elif isinstance(item, float) and not math.isfinite(item):
+            raise RecordError(loc, "Input should be a finite number")
+        elif isinstance(item, int) and not isinstance(item, bool) and not -INT_LIMIT <= item < INT_LIMIT:
+            raise RecordError(loc, "Input should be an integer of at most 64 bits")
         elif not (item is None or isinstance(item, (bool, int, float))):
             raise RecordError(loc, f"Input should be a JSON value, not {type(item).__name__}")
 
