@@ -194,7 +194,10 @@ def read_manifest(image_dir: Path) -> Manifest:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise ImageFormatError(f"{path} is not a regular file")
-        data = os.read(fd, MAX_MANIFEST_BYTES + 1) if st.st_size <= MAX_MANIFEST_BYTES else b""
+        if st.st_size > MAX_MANIFEST_BYTES:
+            raise ImageFormatError(f"{path} holds {st.st_size} bytes; a manifest holds at most {MAX_MANIFEST_BYTES}",
+                                   hint="the manifest was altered; capture again")
+        data = os.read(fd, MAX_MANIFEST_BYTES + 1)
     finally:
         os.close(fd)
     try:

@@ -240,3 +240,17 @@ def test_another_format_versions_message_is_printable_and_short(tmp_path: Path) 
     fake_image.make_image(tmp_path / "images" / "bool", raw={"format_version": True})
     with pytest.raises(Exception, match="malformed"):  # a bool is not a format version
         read_manifest(tmp_path / "images" / "bool")
+
+
+def test_a_manifest_too_large_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.unit import fake_image
+    from vsnap import _manifest
+    from vsnap.protocol.errors import ImageFormatError
+
+    image = fake_image.make_image(tmp_path / "images" / "big")
+    size = (image / "manifest.json").stat().st_size
+    monkeypatch.setattr(_manifest, "MAX_MANIFEST_BYTES", size - 1)
+    with pytest.raises(ImageFormatError, match=f"holds {size} bytes; a manifest holds at most {size - 1}"):
+        _manifest.read_manifest(image)
+    monkeypatch.setattr(_manifest, "MAX_MANIFEST_BYTES", size)
+    assert _manifest.read_manifest(image).name == "fake"
