@@ -30,20 +30,13 @@ from .protocol.records import Record, field
 from ._proctree import ProcessIdentity, identify, is_same
 from ._shm import remove_instance_shm, remove_orphans, shm_dir_of
 from ._mounts import mount_roots
-from ._paths import RUNTIME_DIR, require_runtime_dir
+from ._paths import RUNTIME_DIR, require_plain_path, require_runtime_dir
 from ._trust import make_trusted_dirs
 
 
 
 PID_MAX = 1 << 22  # the kernel's pid_max can be at most 4194304
 INSTANCE_NAME = re.compile(r"(?:capture|r|cold)-[0-9a-f]{8}")  # what new_instance_dir makes
-PATH_MAX = 4096
-
-
-def require_plain_path(path: str, what: str) -> None:
-    """A path a record names and vsnap acts on: absolute, at most PATH_MAX, no NUL (ValueError)."""
-    if not path.startswith("/") or "\0" in path or len(path) > PATH_MAX:
-        raise ValueError(f"{what} must be an absolute path of at most {PATH_MAX} characters, without NUL")
 STOP_REQUEST = "stop.request"  # written into a restoring instance's directory by `vsnap stop`
 
 

@@ -10,6 +10,7 @@ import stat
 from pathlib import Path
 from typing import Any, Literal
 
+from ._paths import PATH_MAX, require_plain_path
 from .protocol.control import PROTOCOL_VERSION, LaunchConfig
 from .protocol.errors import ImageError, ImageFormatError, ImageIncompatible
 from .protocol.oracle import Oracle
@@ -28,7 +29,6 @@ DUMP_LOG = "logs/dump.log"
 ENGINE_LOG = "logs/engine.log"
 MAX_MANIFEST_BYTES = 16 << 20
 MAX_BYTES = (1 << 63) - 1  # a size or byte count in the manifest (off_t's range)
-PATH_MAX = 4096
 CRIU_KEY = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # a CRIU external key (_criu_options.external_mounts: m0, m1...)
 CAPTURED = "captured"  # Manifest.origin of an image made by `vsnap capture`
 # a GPU's UUID as _cuda._format_uuid writes it (the CUDA restore's GPU map parses it back to 16 bytes)
@@ -62,14 +62,7 @@ class Dependency(_Frozen):
     sha256: str | None = None  # restore checks sizes; `vsnap validate IMAGE` checks contents too
 
     def _check(self) -> None:
-        require_host_path(self.path, "a dependency's path")
-
-
-def require_host_path(path: str, what: str) -> None:
-    """A host path the manifest names and vsnap stats or hands to CRIU: absolute, at most
-    PATH_MAX, no NUL (ValueError: the record's error)."""
-    if not path.startswith("/") or "\0" in path or len(path) > PATH_MAX:
-        raise ValueError(f"{what} must be an absolute path of at most {PATH_MAX} characters, without NUL")
+        require_plain_path(self.path, "a dependency's path")
 
 
 class HostFacts(_Frozen):
@@ -150,9 +143,9 @@ class Manifest(_Frozen):
         for key in (self.control_mount_key, self.shm_mount_key, self.netns_key, *self.externals):
             if not CRIU_KEY.fullmatch(key):
                 raise ValueError("a CRIU external key must be 1 to 64 of A-Z a-z 0-9 _ . -")
-        require_host_path(self.control_dir, "control_dir")
+        require_plain_path(self.control_dir, "control_dir")
         for mountpoint in self.externals.values():
-            require_host_path(mountpoint, "an external mount point")
+            require_plain_path(mountpoint, "an external mount point")
         for name in (*self.files, *self.shm_files):
             if "\0" in name or len(name) > PATH_MAX:
                 raise ValueError(f"a file name must be at most {PATH_MAX} characters, without NUL")

@@ -33,6 +33,16 @@ SYSTEM_TREES = ("/proc", "/sys", "/dev", "/etc", "/usr", "/boot", "/bin", "/sbin
                 "/libx32")
 
 
+PATH_MAX = 4096
+
+
+def require_plain_path(path: str, what: str) -> None:
+    """A path a record or a manifest names and vsnap stats, removes or hands to CRIU: absolute, at
+    most PATH_MAX characters, no NUL (ValueError, which a record turns into its error)."""
+    if not path.startswith("/") or "\0" in path or len(path) > PATH_MAX:
+        raise ValueError(f"{what} must be an absolute path of at most {PATH_MAX} characters, without NUL")
+
+
 def absolute_clean(value: str, what: str) -> str:
     path = Path(value)
     if not path.is_absolute():
