@@ -9,11 +9,12 @@ number out of its bounds), naming the path to the first bad value the way pydant
 method names are pydantic's, so callers read the same.
 
 What a field may hold: str (no lone surrogate), int (never a bool; 64 bits), float (finite; an
-int is taken as a float), bool,
-None, ``X | None`` and other unions (the first that fits), ``Literal[...]``, ``list[X]``,
-``dict[str, X]``, ``Any`` (any JSON value) and another Record (from a JSON object). ``field(ge=,
-le=)`` bounds a number, ``field(finite=False)`` takes NaN and infinities (the oracle's log
-probabilities: a NaN there is a mismatch to report, not a malformed message). A record may check itself as a whole in ``_check`` (raise ValueError).
+int is taken as a float), bool, None, ``X | None`` and other unions (the first that fits),
+``Literal[...]``, ``list[X]``, ``dict[str, X]``, ``Any`` (any JSON value, its scalars held to the
+same rules) and another Record (from a JSON object). ``field(ge=, le=)`` bounds a number,
+``field(finite=False)`` takes NaN and infinities (the oracle's log probabilities: a NaN there is a
+mismatch to report, not a malformed message). A record may check itself as a whole in ``_check``
+(raise ValueError).
 
 A leaf: imports nothing of vsnap (the engine tree imports it through protocol.control).
 """
@@ -82,7 +83,6 @@ class Record:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        cls._hints = None  # each class resolves its own, at its first use
         dataclasses.dataclass(frozen=True, kw_only=True)(cls)
 
     def __post_init__(self) -> None:
@@ -104,7 +104,7 @@ class Record:
 
     @classmethod
     def _type_hints(cls) -> dict[str, Any]:
-        if cls.__dict__.get("_hints") is None:
+        if cls.__dict__.get("_hints") is None:  # each class its own, resolved at its first use
             cls._hints = typing.get_type_hints(cls)
         return cls._hints  # type: ignore[return-value]
 
@@ -157,8 +157,9 @@ class Record:
 
     def model_copy(self, *, update: dict[str, Any] | None = None) -> Self:
         """A copy with ``update``'s fields replaced (and checked, as when the record was made)."""
+        names = self.field_names()
         for name in update or {}:
-            if name not in self.field_names():
+            if name not in names:
                 raise RecordError((name,), "Extra inputs are not permitted")
         return dataclasses.replace(self, **(update or {}))  # type: ignore[type-var]
 
@@ -269,9 +270,7 @@ def _check_plain(value: Any, loc: Loc) -> None:
     pending: list[tuple[Any, int]] = [(value, 0)]
     while pending:
         item, depth = pending.pop()
-        if isinstance(item, str):
-            _check_text(item, loc)
-        elif isinstance(item, (list, tuple, dict)):  # (a tuple from code is written as a list)
+        if isinstance(item, (list, tuple, dict)):  # (a tuple from code is written as a list)
             if depth >= MAX_DEPTH:
                 raise RecordError(loc, f"Input is nested deeper than {MAX_DEPTH} levels")
             if isinstance(item, dict):
@@ -282,11 +281,9 @@ def _check_plain(value: Any, loc: Loc) -> None:
                 pending.extend((v, depth + 1) for v in item.values())
             else:
                 pending.extend((v, depth + 1) for v in item)
-        elif isinstance(item, float) and not math.isfinite(item):
-            raise RecordError(loc, "Input should be a finite number")
-        elif isinstance(item, int) and not isinstance(item, bool) and not -INT_LIMIT <= item < INT_LIMIT:
-            raise RecordError(loc, "Input should be an integer of at most 64 bits")
-        elif not (item is None or isinstance(item, (bool, int, float))):
+        elif isinstance(item, (str, bool, int, float)):  # as a field of that type holds it
+            _check_scalar(next(t for t in (bool, str, float, int) if isinstance(item, t)), item, loc, None)
+        elif item is not None:
             raise RecordError(loc, f"Input should be a JSON value, not {type(item).__name__}")
 
 
