@@ -1,7 +1,7 @@
 """The CUDA driver started before the restore's imports: `vsnap restore` and `vsnap activate` call
 start() first thing, so the driver's start (cuInit, ~0.07 s on an H200 host) runs on a thread of its
 own while the interpreter imports the restore path, and the verify phase takes the GPUs' facts
-from facts() instead of asking the driver again. Nothing is decided here: a failure (no GPU, no
+from gpu_facts() instead of asking the driver again. Nothing is decided here: a failure (no GPU, no
 cuda-bindings) is kept in the future and raised only where the facts are needed.
 
 On a host with an NVIDIA driver this starts the driver in every restore command, also one of an
@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, TimeoutError as FutureTimeout
 from typing import Any
 
+from .protocol.errors import HostNotReady
+
 NVIDIA_CONTROL = "/dev/nvidiactl"  # no NVIDIA driver, nothing to start
+TIMEOUT_S = 120.0  # cuInit and the device queries (hosts with many GPUs take seconds)
 
 _facts: Future[tuple[str | None, str, list[dict[str, Any]]]] | None = None
 _lock = threading.Lock()
@@ -34,9 +37,18 @@ def start() -> None:
         future.set_exception(exc)
 
 
-def facts() -> Future[tuple[str | None, str, list[dict[str, Any]]]] | None:
-    """The facts start() is reading, or None if it was not called (or there is no NVIDIA driver)."""
-    return _facts
+def gpu_facts() -> tuple[str | None, str, list[dict[str, Any]]]:
+    """The GPUs' facts: those start() began reading, else read now (_cuda.gpu_facts)."""
+    from ._cuda import gpu_facts as read_now
+
+    early = _facts
+    if early is None:
+        return read_now()
+    try:
+        return early.result(timeout=TIMEOUT_S)
+    except FutureTimeout:  # (not the builtin TimeoutError before Python 3.11)
+        raise HostNotReady("cuda", f"the CUDA driver did not start within {TIMEOUT_S:.0f} s",
+                           hint="check `nvidia-smi`; a GPU may be hung") from None
 
 
 def _read(future: Future[tuple[str | None, str, list[dict[str, Any]]]]) -> None:

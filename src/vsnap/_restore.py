@@ -14,7 +14,7 @@ import shutil
 import socket
 import time
 import urllib.parse
-from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeout
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator, TypeVar
 
 from .protocol import control
 from .protocol.control import Activation, ErrorReport, Standby, Status
+from . import _gpu_early
 from ._criu import CriuRunner, LazyPagesServer
 from ._criu_options import LazyPagesOptions, RestoreOptions
 from .protocol.errors import (CheckpointError, EngineError, HostNotReady, ImageChanged, InstanceNotStandby,
@@ -434,7 +435,7 @@ def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000,
             with ThreadPoolExecutor(max_workers=8) as pool:
                 # the GPUs' facts once, for the host check and the GPU choice (two threads asking
                 # the driver side by side slowed the 8B's verify phase from 0.17 s to 0.25 to 0.32 s)
-                gpus = pool.submit(clock.call, "gpu_facts", _gpu_facts) if manifest.cuda_processes else None
+                gpus = pool.submit(clock.call, "gpu_facts", _gpu_early.gpu_facts) if manifest.cuda_processes else None
                 hashing = pool.submit(clock.call, "files", verify_files, image_dir, manifest, cache_root=VERIFIED_DIR,
                                       rehash=rehash)
                 # the host's facts (CRIU's and the packages' versions, the GPUs) while the host check
@@ -605,10 +606,7 @@ def activate_instance(instance_id: str, *, host: str = "127.0.0.1", port: int = 
             if record.tree is None or Path(record.instance_dir).name != record.id:
                 raise ProcessTreeError(None, f"the record of {record.id} names no tree, or another directory",
                                        phase="activate")
-            if is_same(record.tree.identity) and not is_tree_root(record.tree.identity):
-                raise ProcessTreeError(record.tree.pid, f"the record of {record.id} names pid {record.tree.pid}, "
-                                       "which is not the first process of a PID namespace of its own: not a vsnap "
-                                       "tree", phase="activate")
+            _require_tree_root(record, "activate")
             identity = record.tree.identity
             work, image_dir = Path(record.instance_dir), Path(record.image)
             held.enter_context(activation_lock(work, instance_id))
@@ -671,7 +669,6 @@ def manifest_digest(manifest: Manifest) -> str:
 
 
 STOP_WAIT_S = 60.0
-GPU_FACTS_TIMEOUT_S = 120.0  # cuInit and the device queries (hosts with many GPUs take seconds)
 
 
 def stop_server(server: RestoredServer | InstanceRecord, grace_s: float = 10.0) -> None:
@@ -691,7 +688,7 @@ def stop_server(server: RestoredServer | InstanceRecord, grace_s: float = 10.0) 
         if Path(server.instance_dir).name != server.id:
             raise ProcessTreeError(None, f"the record of {server.id} names another directory ({server.instance_dir})",
                                    phase="stop")
-        _require_tree_root(server)
+        _require_tree_root(server, "stop")
         if server.state in ("restoring", "activating"):
             _stop_restoring(server)
             return
@@ -707,14 +704,14 @@ def stop_server(server: RestoredServer | InstanceRecord, grace_s: float = 10.0) 
     remove_instance_shm(shm_dir_of(instance_id))
 
 
-def _require_tree_root(record: InstanceRecord) -> None:
-    """A record's tree is signalled only while it is the first process of a PID namespace of its
-    own (_proctree.is_tree_root): a record naming another process (crafted, or left by a bug) is
-    refused, not acted on."""
+def _require_tree_root(record: InstanceRecord, phase: str) -> None:
+    """A record's tree is acted on (signalled, activated) only while it is the first process of a
+    PID namespace of its own (_proctree.is_tree_root): a record naming another live process
+    (crafted, or left by a bug) is refused, not acted on. A tree that is gone is the caller's case."""
     if record.tree is not None and is_same(record.tree.identity) and not is_tree_root(record.tree.identity):
         raise ProcessTreeError(record.tree.pid, f"the record of {record.id} names pid {record.tree.pid}, which is not "
                                "the first process of a PID namespace of its own: not a vsnap tree, not signalled",
-                               phase="stop")
+                               phase=phase)
 
 
 def _stop_restoring(record: InstanceRecord) -> None:
@@ -751,22 +748,6 @@ def gpu_pairs(captured: list[str], targets: list[dict] | None) -> list[tuple[str
     return [] if all(old == new for old, new in pairs) else pairs
 
 
-def _gpu_facts() -> tuple[str | None, str, list[dict]]:
-    """The GPUs' facts: those the command started reading before its imports (_gpu_early), else
-    read now."""
-    from . import _gpu_early
-    from ._cuda import gpu_facts
-
-    early = _gpu_early.facts()
-    if early is None:
-        return gpu_facts()
-    try:
-        return early.result(timeout=GPU_FACTS_TIMEOUT_S)
-    except FutureTimeout:  # (not the builtin TimeoutError before Python 3.11)
-        raise HostNotReady("cuda", f"the CUDA driver did not start within {GPU_FACTS_TIMEOUT_S:.0f} s",
-                           hint="check `nvidia-smi`; a GPU may be hung") from None
-
-
 def choose_gpus(manifest: Manifest, requested: str | None,
                 facts: Future[tuple[str | None, str, list[dict]]] | None = None) -> list[dict]:
     """The GPUs to restore onto, one per rank in rank order: the requested indices or UUIDs
@@ -778,7 +759,7 @@ def choose_gpus(manifest: Manifest, requested: str | None,
 
     with ThreadPoolExecutor(max_workers=1) as pool:
         freeing = pool.submit(gpu_free_memory)  # while the CUDA driver starts
-        _, _, gpus = facts.result() if facts is not None else _gpu_facts()
+        _, _, gpus = facts.result() if facts is not None else _gpu_early.gpu_facts()
         free = freeing.result()
     captured = manifest.host.gpus[0] if manifest.host.gpus else {}
     need = manifest.gpu_memory_required or 0  # on each GPU: vLLM takes its share of every rank's

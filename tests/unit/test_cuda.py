@@ -338,13 +338,13 @@ def test_a_standby_with_gpu_is_refused_in_one_line_however_long_the_gpu_argument
 
 
 def test_the_driver_starts_early_once_and_keeps_its_failure(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    from vsnap import _cuda, _gpu_early, _restore
+    from vsnap import _cuda, _gpu_early
     from vsnap.protocol.errors import HostNotReady
 
     monkeypatch.setattr(_gpu_early, "_facts", None)
     monkeypatch.setattr(_gpu_early, "NVIDIA_CONTROL", str(tmp_path / "absent"))
     _gpu_early.start()
-    assert _gpu_early.facts() is None  # no NVIDIA driver: nothing started
+    assert _gpu_early._facts is None  # no NVIDIA driver: nothing started
 
     control = tmp_path / "nvidiactl"
     control.touch()
@@ -353,8 +353,8 @@ def test_the_driver_starts_early_once_and_keeps_its_failure(monkeypatch: pytest.
     monkeypatch.setattr(_cuda, "gpu_facts", lambda: calls.append(1) or ("580", "13.0", []))
     _gpu_early.start()
     _gpu_early.start()  # once per process
-    assert _gpu_early.facts().result(timeout=10) == ("580", "13.0", [])
-    assert _restore._gpu_facts() == ("580", "13.0", []) and calls == [1]  # the verify phase takes them
+    assert _gpu_early._facts is not None and _gpu_early._facts.result(timeout=10) == ("580", "13.0", [])
+    assert _gpu_early.gpu_facts() == ("580", "13.0", []) and calls == [1]  # the verify phase takes them
 
     def no_bindings() -> None:
         raise HostNotReady("cuda", "cuda-bindings is not installed")
@@ -363,4 +363,4 @@ def test_the_driver_starts_early_once_and_keeps_its_failure(monkeypatch: pytest.
     monkeypatch.setattr(_cuda, "gpu_facts", no_bindings)
     _gpu_early.start()
     with pytest.raises(HostNotReady, match="cuda-bindings"):  # raised where the facts are needed, not before
-        _restore._gpu_facts()
+        _gpu_early.gpu_facts()
