@@ -161,6 +161,12 @@ class VllmAdapter(EngineAdapter):
             disable_log_stats=engine_args.disable_log_stats,
         )
 
+    @property
+    def _ours(self) -> bool:
+        """vLLM's worker carries vsnap's extension (vllm_weights): the weights file, the graph
+        pool, the stack limit and the tensor-parallel methods are there to call."""
+        return bool(self.args.worker_extension_cls == vllm_weights.EXTENSION)
+
     def _adapters(self) -> list[tuple[str, Any]]:
         """The LoRA adapters the server loaded at boot (``--lora-modules``): (name, LoRARequest).
         Known once the OpenAI app's state is built (_prebuild_app)."""
@@ -197,7 +203,7 @@ class VllmAdapter(EngineAdapter):
         this too, so a restore wakes from exactly the state the capture checkpointed. With
         tensor parallelism (or the one-rank opt-in) the workers first drop their CUDA graphs and
         NCCL communicators, awake (vllm_tp)."""
-        ours = self.args.worker_extension_cls == vllm_weights.EXTENSION
+        ours = self._ours
         if ours:  # no page of the weights file may stay locked into the checkpoint
             await self._rpc("vsnap_unlock_weights_file", False)
         disconnected = await self._rpc("vsnap_tp_disconnect", timeout=DISCONNECT_TIMEOUT_S) if self.recapture else {}
@@ -238,7 +244,7 @@ class VllmAdapter(EngineAdapter):
         """Wake the weights, refill them, wake the KV cache. From the weights file, the KV cache
         is woken while the weights stream in (the file's bytes need no allocation)."""
         times: dict[str, Any] = {}
-        if self.args.worker_extension_cls == vllm_weights.EXTENSION:  # before any kernel runs
+        if self._ours:  # before any kernel runs
             times.update(await self._rpc("vsnap_restore_stack_limit"))
         start = time.monotonic()
         await self.engine.wake_up(tags=["weights"])
@@ -275,7 +281,7 @@ class VllmAdapter(EngineAdapter):
         """Sleep, wake and reload as a restore will, then require the same oracle. On a mismatch
         the error names the tensors (parameters, buffers, the weights file's) that differ from
         ``before`` (their checksums when the oracle was computed)."""
-        ours = self.args.worker_extension_cls == vllm_weights.EXTENSION
+        ours = self._ours
         await self._sleep()
         await self._wake(self.launch.weights_dir)
         try:
@@ -306,7 +312,7 @@ class VllmAdapter(EngineAdapter):
             self._freeze_gc_heap()
             return oracle
         weights_dir = self.launch.weights_dir
-        if weights_dir and self.args.worker_extension_cls == vllm_weights.EXTENSION:
+        if weights_dir and self._ours:
             try:
                 saved = await self._rpc("vsnap_save_weights", weights_dir)
                 print(f"vsnap: weights file written: {saved}", flush=True)
@@ -315,7 +321,7 @@ class VllmAdapter(EngineAdapter):
                 self._drop_weights_file(f"could not write the weights file ({type(exc).__name__}: {exc})")
         # Rehearse the exact recovery path once before the capture: a restore must not be the
         # first time sleep level 2, weight reload and wake run in this process.
-        before = await self._fingerprint() if self.args.worker_extension_cls == vllm_weights.EXTENSION else {}
+        before = await self._fingerprint() if self._ours else {}
         try:
             await self._rehearse(oracle, before)
         except RehearsalMismatch as mismatch:
@@ -372,7 +378,7 @@ class VllmAdapter(EngineAdapter):
 
         host, port = sock.getsockname()[:2]
         self.args.host, self.args.port = host, port
-        if self.cuda and self.args.worker_extension_cls == vllm_weights.EXTENSION:
+        if self.cuda and self._ours:
             self._unlocking = asyncio.get_running_loop().create_task(self._unlock_weights_file())
         if self.app is not None:
             asyncio.get_running_loop().create_task(self._report_started(time.monotonic()))

@@ -766,9 +766,7 @@ class WeightsFileExtension(TensorParallelExtension):
         if not locked:
             return {}
         if not background:
-            result = _release_all(locked, 0.0)  # raises with the refused pieces kept in `locked`
-            self._vsnap_locked = []
-            return result
+            return _release_all(locked, 0.0)  # empties `locked`; raises with the refused pieces kept in it
         pieces = float(sum(p.pieces for p in locked))
 
         def unlock() -> None:  # the list stays the worker's until every piece is unlocked
