@@ -632,10 +632,12 @@ def activate_instance(instance_id: str, *, host: str = "127.0.0.1", port: int = 
                 raise ProcessTreeError(identity.pid, f"standby {instance_id}'s tree is gone", phase="activate")
             activating = record.model_copy(update={"state": "activating", "activator": this_process()})
             register(activating)
-            # a failed activation ends the standby: its CUDA state may be half restored
-            cleanup.on_failure(kill_tree, identity)
+            # a failed activation ends the standby: its CUDA state may be half restored. Released
+            # newest first: the tree goes before its /dev/shm directory, which is never removed
+            # while a live tree has it bound (the restore path registers them in the same order)
             cleanup.on_failure(unregister, instance_id)
             cleanup.on_failure(remove_instance_shm, shm_dir_of(instance_id))
+            cleanup.on_failure(kill_tree, identity)
         _check_stop(work)
         server = _bring_up(_Tree(image_dir, manifest, work, identity, activating), host, port, target, timings,
                            reading)

@@ -150,3 +150,34 @@ def test_two_activations_of_one_standby_one_serves_the_other_is_refused(image: P
     finally:
         run_vsnap("stop", waiting["instance"])
     assert engine_processes(Path(manifest.control_dir)) == []
+
+
+def test_an_activation_interrupted_midway_ends_the_standby_and_removes_its_shm(image: Path) -> None:
+    """A failed activation ends the standby (its state may be half restored) and removes what the
+    tree held: its record and its /dev/shm directory, which is never removed while the tree has it
+    bound, so the tree must go first."""
+    manifest = read_manifest(image)
+    waiting = json_of(run_vsnap("restore", str(image), "--standby", "--detach", "--json"))
+    shm = Path("/dev/shm") / f"vsnap-{waiting['instance']}"
+    activation = None
+    try:
+        assert shm.is_dir()
+        activation = subprocess.Popen([VSNAP, "activate", waiting["instance"], "--port", "0"],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      env={**os.environ, "VSNAP_FAILPOINT": "stall recover"})
+        deadline = time.monotonic() + 60
+        while [r.state for r in records(image)] != ["activating"]:
+            assert activation.poll() is None and time.monotonic() < deadline, activation.stderr
+            time.sleep(0.01)
+        time.sleep(0.5)  # inside the recover phase's 3 s stall
+        activation.send_signal(signal.SIGINT)
+        _, stderr = activation.communicate(timeout=60)
+        assert activation.returncode == 130, stderr
+        assert "Traceback" not in stderr
+        assert records(image) == []
+        assert engine_processes(Path(manifest.control_dir)) == []
+        assert not shm.exists()
+    finally:
+        if activation is not None and activation.poll() is None:
+            activation.kill()
+        run_vsnap("stop", waiting["instance"])
