@@ -96,11 +96,10 @@ async def run_engine(control_dir: Path) -> None:
         await adapter.serve(sock)
         control.write_message(control_dir, control.STATUS, Status(state="stopped"))
     except BaseException as error:
-        report = control.error_report(phase, error)
         try:
-            control.write_message(control_dir, control.ERROR, report)
+            control.write_message(control_dir, control.ERROR, control.error_report(phase, error))
         except Exception:
-            pass
+            pass  # the tree's exit still tells the host; the error itself is what propagates
         raise
     finally:
         if sock is not None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import socket
 import stat
@@ -461,8 +462,19 @@ def owner_gone(control_dir: Path, now: float | None = None) -> str | None:
     return None
 
 
+def _reportable(value: Any) -> bool:
+    """An exception attribute an ErrorReport's detail can carry: a string, a 64-bit int or a finite
+    float (a NaN or a huge int there would make the report itself fail, and hide the error)."""
+    if isinstance(value, str):
+        return True
+    if isinstance(value, int):
+        return -(1 << 63) <= value < 1 << 63
+    return isinstance(value, float) and math.isfinite(value)
+
+
 def error_report(phase: str, error: BaseException, **detail: Any) -> ErrorReport:
-    fields = {k: v for k, v in vars(error).items() if isinstance(v, (str, int, float))} if hasattr(error, "__dict__") else {}
+    attributes = vars(error).items() if hasattr(error, "__dict__") else ()
+    fields = {k: v for k, v in attributes if isinstance(k, str) and _reportable(v)}
     return ErrorReport(
         phase=phase, type=type(error).__name__, message=str(error) or type(error).__name__,
         detail={**fields, **detail},
