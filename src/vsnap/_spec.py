@@ -105,6 +105,9 @@ class SnapshotSettings(_Strict):
         return _control_path(value)
 
 
+ORACLE_MAX_LOGPROBS = 1 << 17
+
+
 class OracleSettings(_Strict):
     prompts: list[str] = Field(
         default=["The capital of France is", "def fibonacci(n):", "1, 2, 3, 5, 8,"], min_length=1, max_length=64
@@ -120,6 +123,16 @@ class OracleSettings(_Strict):
             if not prompt or len(prompt) > 8192:
                 raise ValueError("each prompt must hold 1 to 8192 characters")
         return value
+
+    @model_validator(mode="after")
+    def _fits_the_manifest(self) -> "OracleSettings":
+        # the recorded oracle goes into manifest.json (at most 16 MiB, read by every restore):
+        # ~40 bytes per logprob there, so 2**17 of them are ~5 MiB and leave the rest its room
+        logprobs = len(self.prompts) * self.max_tokens * (self.top_k + 1)
+        if logprobs > ORACLE_MAX_LOGPROBS:
+            raise ValueError(f"prompts x max_tokens x (top_k + 1) = {logprobs} logprobs to record; at most "
+                             f"{ORACLE_MAX_LOGPROBS} fit in an image's manifest: use fewer prompts, tokens or top_k")
+        return self
 
 
 class ModelSpec(_Strict):
