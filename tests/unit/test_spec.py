@@ -345,3 +345,12 @@ def test_vllm_cpu_example_loads(tmp_path: Path) -> None:
     spec = load_spec(write(tmp_path, text.replace("/var/lib/vsnap/models/tiny-llama", str(model))))
     assert spec.engine == "vllm" and spec.image_dir == Path("/var/lib/vsnap/images/demo-vllm-cpu")
     assert spec.serve == {"max_model_len": 512, "enforce_eager": True, "kv_cache_memory_bytes": 1 << 20}
+
+
+def test_an_oracle_too_large_for_the_manifest_is_refused_at_its_line(tmp_path: Path) -> None:
+    prompts = ", ".join(f'"p{i}"' for i in range(64))
+    at_bound = f"name: o\nengine: cpu\noracle:\n  prompts: [{prompts}]\n  max_tokens: 97\n  top_k: 20\n"
+    assert load_spec(write(tmp_path, at_bound)).oracle.max_tokens == 97  # 64 x 97 x 21 = 130368
+    [issue] = issues(tmp_path, at_bound.replace("max_tokens: 97", "max_tokens: 98"))
+    assert ":3:1 oracle: prompts x max_tokens x (top_k + 1) = 131712 logprobs" in issue
+    assert "at most 131072 fit in an image's manifest" in issue
