@@ -179,13 +179,15 @@ def test_listener_handoff_never_follows_a_link_or_serves_another_process(ctl: Pa
 
 
 def test_an_error_with_unrepresentable_attributes_is_still_reported(ctl: Path) -> None:
-    """A NaN, an int past 64 bits or a non-string attribute name on an engine's exception must not
-    make the report fail (the host would see only "tree exited"): those attributes are left out."""
+    """A NaN, an int past 64 bits, a lone surrogate or a non-string attribute name on an engine's
+    exception must not make the report fail (the host would see only "tree exited"): those
+    attributes are left out."""
     error = RuntimeError("CUDA out of memory")
     error.free_bytes = 1 << 70
     error.ratio = float("nan")
     error.seconds = 1.5
     error.device = "cuda:0"
+    error.note = "half a pair \ud800"
     vars(error)[3] = "not a name"
     control.write_message(ctl, control.ERROR, control.error_report("recover", error, gpu="0"))
     report = control.read_message(ctl, control.ERROR, control.ErrorReport)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import errno
 import json
-import math
 import os
 import socket
 import stat
@@ -32,7 +31,7 @@ from typing import Any, Callable, Literal, TypeVar
 
 from .errors import ControlProtocolError, PhaseTimeout
 from .oracle import Oracle
-from .records import Record, RecordError, field
+from .records import Record, RecordError, field, is_plain
 
 LAUNCH = "launch.json"
 READY = "ready.json"
@@ -44,7 +43,7 @@ OWNER = "owner.json"
 LISTENER = "listen.sock"  # where the engine receives its HTTP socket (SCM_RIGHTS) after validation
 ENGINE_LOG = "engine.log"
 CONTROL_FILES = (READY, ACTIVATION, STANDBY, STATUS, ERROR, OWNER)
-# ready.json carries the oracle: at most 64 prompts x 512 tokens x 20 log probabilities, ~20 MB
+# ready.json carries the oracle: at most 131072 log probabilities (model.yaml's bound), ~5 MB
 MAX_CONTROL_BYTES = 64 << 20
 
 # The vsnap process that owns a tree (the capture, or a foreground restore) writes owner.json
@@ -462,19 +461,12 @@ def owner_gone(control_dir: Path, now: float | None = None) -> str | None:
     return None
 
 
-def _reportable(value: Any) -> bool:
-    """An exception attribute an ErrorReport's detail can carry: a string, a 64-bit int or a finite
-    float (a NaN or a huge int there would make the report itself fail, and hide the error)."""
-    if isinstance(value, str):
-        return True
-    if isinstance(value, int):
-        return -(1 << 63) <= value < 1 << 63
-    return isinstance(value, float) and math.isfinite(value)
-
-
 def error_report(phase: str, error: BaseException, **detail: Any) -> ErrorReport:
+    # the exception's scalar attributes that a record can carry (a NaN, an int past 64 bits or a
+    # lone surrogate would make the report itself fail, and hide the error)
     attributes = vars(error).items() if hasattr(error, "__dict__") else ()
-    fields = {k: v for k, v in attributes if isinstance(k, str) and _reportable(v)}
+    fields = {k: v for k, v in attributes
+              if isinstance(k, str) and isinstance(v, (str, int, float)) and is_plain({k: v})}
     return ErrorReport(
         phase=phase, type=type(error).__name__, message=str(error) or type(error).__name__,
         detail={**fields, **detail},

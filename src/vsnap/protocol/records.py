@@ -287,6 +287,16 @@ def _check_plain(value: Any, loc: Loc) -> None:
             raise RecordError(loc, f"Input should be a JSON value, not {type(item).__name__}")
 
 
+def is_plain(value: Any) -> bool:
+    """Would a field of type Any hold ``value`` (the rules of _check_plain)? For a writer that
+    leaves out what a record could not carry rather than fail."""
+    try:
+        _check_plain(value, ())
+    except RecordError:
+        return False
+    return True
+
+
 def _alternatives(shown: list[str]) -> str:
     return shown[0] if len(shown) == 1 else ", ".join(shown[:-1]) + f" or {shown[-1]}"
 
