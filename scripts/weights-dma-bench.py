@@ -61,7 +61,7 @@ def warm(path: Path) -> None:
 
 
 def run_stream(path: Path, target) -> float:
-    from vsnap.engine.adapters.vllm_weights import Segment, buffered_into
+    from vsnap.engine.adapters.vllm.weights import Segment, buffered_into
 
     size = path.stat().st_size  # the buffered path itself (stream_into takes dma_into first)
     return buffered_into(path, [Segment("all", 0, size, "torch.uint8", (size,))], [target])["weights_load_s"]
@@ -70,7 +70,7 @@ def run_stream(path: Path, target) -> float:
 def run_dma(path: Path, target, reference, threads: int, held: int) -> tuple[float, str]:
     import torch
 
-    from vsnap.engine.adapters.vllm_weights import Segment, dma_into
+    from vsnap.engine.adapters.vllm.weights import Segment, dma_into
 
     size = path.stat().st_size
     target.zero_()
@@ -85,7 +85,7 @@ def run_dma_later(path: Path, target, reference, threads: int, held: int) -> tup
     """dma_into with unlock_later (what a restore does): the load's time, then the unlocking's."""
     import torch
 
-    from vsnap.engine.adapters.vllm_weights import Segment, dma_into
+    from vsnap.engine.adapters.vllm.weights import Segment, dma_into
 
     size = path.stat().st_size
     target.zero_()

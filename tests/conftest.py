@@ -15,8 +15,8 @@ VSNAP = str(Path(sys.executable).with_name("vsnap"))
 
 
 def criu_unavailable_reason() -> str | None:
+    from vsnap.host.facts import check_criu, check_root
     from vsnap.protocol.errors import VsnapError
-    from vsnap._host import check_criu, check_root
 
     try:
         check_root()

@@ -11,15 +11,15 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.2.0"
+from .protocol.version import __version__
 
 # public name -> the module that defines it
 _EXPORTS = {
-    "CaptureResult": "._capture", "capture_image": "._capture",
-    "RestoredServer": "._restore", "restore_image": "._restore", "stop_server": "._restore",
-    "verify_image": "._restore",
-    "ModelSpec": "._spec", "load_spec": "._spec",
-    "Manifest": "._manifest", "read_manifest": "._manifest",
+    "CaptureResult": ".ops.capture", "capture_image": ".ops.capture",
+    "RestoredServer": ".ops.restore", "restore_image": ".ops.restore", "stop_server": ".ops.restore",
+    "verify_image": ".ops.restore",
+    "ModelSpec": ".spec.schema", "load_spec": ".spec.schema",
+    "Manifest": ".image.manifest", "read_manifest": ".image.manifest",
     **{name: ".protocol.errors" for name in (
         "VsnapError", "SpecError", "HostNotReady", "ImageError", "ImageTampered", "ImageHostMismatch",
         "CheckpointError", "CriuError", "EngineError", "OracleMismatch", "ControlProtocolError")},
@@ -42,10 +42,20 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from ._capture import CaptureResult, capture_image
-    from ._manifest import Manifest, read_manifest
-    from ._restore import RestoredServer, restore_image, stop_server, verify_image
-    from ._spec import ModelSpec, load_spec
-    from .protocol.errors import (CheckpointError, ControlProtocolError, CriuError, EngineError, HostNotReady,
-                                  ImageError, ImageHostMismatch, ImageTampered, OracleMismatch, SpecError,
-                                  VsnapError)
+    from vsnap.image.manifest import Manifest, read_manifest
+    from vsnap.ops.capture import CaptureResult, capture_image
+    from vsnap.ops.restore import RestoredServer, restore_image, stop_server, verify_image
+    from vsnap.protocol.errors import (
+        CheckpointError,
+        ControlProtocolError,
+        CriuError,
+        EngineError,
+        HostNotReady,
+        ImageError,
+        ImageHostMismatch,
+        ImageTampered,
+        OracleMismatch,
+        SpecError,
+        VsnapError,
+    )
+    from vsnap.spec.schema import ModelSpec, load_spec

@@ -1,5 +1,5 @@
 """``python -m vsnap``: the CLI, for hosts where the console script is not installed."""
 
-from .cli import main
+from vsnap.cli import main
 
 main()

@@ -16,10 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from vsnap._instances import running_instances
-
 from tests.conftest import engine_processes
 from tests.integration.conftest import CapturedImage, run_vsnap
+from vsnap.host.instances import running_instances
 
 pytestmark = pytest.mark.criu
 
@@ -108,9 +107,9 @@ def test_bench_releases_everything_when_it_fails(tmp_path: Path, captured: Captu
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """A restore that fails after its server came up: the error propagates, the server, the trees,
     the bench image and directories are gone, and the logs are kept beside the record."""
-    from vsnap import _bench
-    from vsnap._spec import load_spec
+    from vsnap.ops.bench import run as _bench
     from vsnap.protocol.errors import EngineError
+    from vsnap.spec.schema import load_spec
 
     made: list[dict] = []
     real_run_cli, real_first_token = _bench.run_cli, _bench.first_token

@@ -16,7 +16,7 @@ import pytest
 from tests.conftest import VSNAP, engine_processes
 from tests.integration.conftest import CapturedImage, run_vsnap, write_spec
 from vsnap import EngineError, capture_image, load_spec, restore_image, stop_server
-from vsnap import _verified as verified
+from vsnap.host import verified
 from vsnap.protocol.oracle import Oracle
 
 pytestmark = pytest.mark.criu
@@ -240,7 +240,7 @@ def test_bad_spec_reports_line_and_key_before_anything_runs(tmp_path: Path) -> N
 
 
 def test_bounded_load_on_a_restored_server(captured: CapturedImage) -> None:
-    from vsnap._loadgen import run_load
+    from vsnap.ops.bench.loadgen import run_load
 
     server = restore_image(captured.image, port=0)
     try:
@@ -258,8 +258,8 @@ def test_changed_host_files_are_named_and_changed_weights_fail_the_oracle(tmp_pa
     with other content (its sha256), is refused before CRIU runs, by validate and by restore; and
     if the manifest is made to record the changed file's digest, the restore still fails closed
     on the oracle (exit 7) without ever opening the port."""
-    from vsnap._image import sha256_file
     from vsnap.engine.adapters.cpu.model import write_model
+    from vsnap.image.store import sha256_file
 
     model = write_model(tmp_path / "model")
     spec = write_spec(tmp_path, "deps", model=str(model))

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from vsnap._criu import CriuRunner
-from vsnap._criu_options import DumpOptions, RestoreOptions
+from vsnap.host.criu.options import DumpOptions, RestoreOptions
+from vsnap.host.criu.runner import CriuRunner
 
 pytestmark = pytest.mark.criu
 

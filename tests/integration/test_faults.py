@@ -19,8 +19,8 @@ import pytest
 
 from tests.conftest import VSNAP, engine_processes
 from tests.integration.conftest import CapturedImage, run_vsnap, write_spec
+from vsnap.host.criu.runner import find_criu
 from vsnap.protocol.control import OWNER_TIMEOUT_S
-from vsnap._criu import find_criu
 
 pytestmark = pytest.mark.criu
 
@@ -187,7 +187,7 @@ def test_an_interrupt_while_the_tree_starts_leaves_no_process(tmp_path: Path, mo
     """Ctrl-C or SIGHUP can arrive after unshare started the namespace but before launch_tree
     returned the tree to its caller (who would end it): launch_tree ends it itself. Seen in CI
     under load: a SIGHUP'd capture left its engine running."""
-    from vsnap import _proctree
+    from vsnap.host import proctree as _proctree
 
     control_dir, instance_dir, shm_dir = tmp_path / "ctl", tmp_path / "ctl.instances" / "i", tmp_path / "shm"
     for directory in (control_dir, instance_dir, shm_dir):

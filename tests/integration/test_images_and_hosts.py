@@ -14,9 +14,8 @@ import pytest
 
 from tests.conftest import engine_processes
 from tests.integration.conftest import CapturedImage, run_vsnap
-from tests.integration.test_cpu_roundtrip import assert_serves_oracle
-from vsnap import _verified as verified
-from vsnap._manifest import MANIFEST
+from vsnap.host import verified
+from vsnap.image.manifest import MANIFEST
 
 pytestmark = pytest.mark.criu
 
@@ -83,7 +82,7 @@ def test_another_kernel_and_other_libraries_are_refused_each_on_its_line(capture
 
 
 def changed_sha(dep: dict) -> str:
-    from vsnap._image import sha256_file
+    from vsnap.image.store import sha256_file
 
     return sha256_file(Path(dep["path"]))[:12]
 
@@ -124,7 +123,7 @@ def test_a_kernel_alone_is_a_warning_and_rm_waits_for_the_instance(captured: Cap
 
 
 def test_rm_refuses_an_image_a_capture_is_writing(captured: CapturedImage, tmp_path: Path) -> None:
-    from vsnap._image import image_lock
+    from vsnap.image.store import image_lock
 
     image = copy_image(captured, tmp_path / "images", "locked")
     with image_lock(image):  # what a `vsnap capture --force` of this path holds from preflight to publish

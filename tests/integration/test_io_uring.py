@@ -9,7 +9,7 @@ import pytest
 
 from tests.integration.conftest import CapturedImage
 from vsnap import restore_image, stop_server
-from vsnap._proctree import tree_pids
+from vsnap.host.proctree import tree_pids
 
 pytestmark = pytest.mark.criu
 

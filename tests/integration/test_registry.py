@@ -22,9 +22,9 @@ from tests.integration.conftest import run_vsnap, write_spec
 from tests.integration.registry_server import DOCKER_REGISTRY, LocalRegistry, free_port, htpasswd_line
 from tests.integration.test_cpu_roundtrip import assert_serves_oracle
 from vsnap import read_manifest, restore_image, stop_server
-from vsnap._image import verify_files
-from vsnap._oci import TITLE, parse_reference
-from vsnap._registry import RegistryClient
+from vsnap.image.store import verify_files
+from vsnap.registry.client import RegistryClient
+from vsnap.registry.oci import TITLE, parse_reference
 
 pytestmark = [pytest.mark.criu,
               pytest.mark.skipif(not os.path.exists(DOCKER_REGISTRY),

@@ -210,7 +210,7 @@ def test_an_image_of_another_engine_protocol_is_refused_before_criu(captured: Ca
 
 def test_a_restore_holds_the_image_until_its_weights_are_read(captured: CapturedImage) -> None:
     """A capture's publish (the exclusive readers' lock) must wait while a restore is recovering."""
-    from vsnap._image import image_read_lock
+    from vsnap.image.store import image_read_lock
     from vsnap.protocol.errors import ImageBusy
 
     restore = subprocess.Popen([VSNAP, "restore", str(captured.image), "--port", "0", "--detach", "--json"],

@@ -17,7 +17,7 @@ from tests.conftest import VSNAP, engine_processes
 from tests.integration.conftest import run_vsnap, write_spec
 from tests.integration.test_cpu_roundtrip import assert_serves_oracle
 from vsnap import read_manifest
-from vsnap._instances import running_instances
+from vsnap.host.instances import running_instances
 from vsnap.protocol import control
 
 pytestmark = pytest.mark.criu

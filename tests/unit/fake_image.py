@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from vsnap._manifest import FORMAT_VERSION, MANIFEST, FileEntry, HostFacts, ImageLaunch, Manifest
+from vsnap.image.manifest import FORMAT_VERSION, MANIFEST, FileEntry, HostFacts, ImageLaunch, Manifest
 from vsnap.protocol.control import PROTOCOL_VERSION
 from vsnap.protocol.oracle import Oracle, OracleSample
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from vsnap._bench import restore_floor, write_record
+from vsnap.ops.bench.run import restore_floor, write_record
 
 MB = 1_000_000
 

@@ -13,8 +13,10 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 import vsnap
-from vsnap import _instances as _instances_module, _restore as _restore_module
-from vsnap.cli import EXIT_CODES_HELP, _render, app, ps as ps_cli
+from vsnap.cli import EXIT_CODES_HELP, _render, app
+from vsnap.cli import ps as ps_cli
+from vsnap.host import instances as _instances_module
+from vsnap.ops import restore as _restore_module
 from vsnap.protocol.errors import NothingRunning, UnknownInstance, UnsupportedOption
 
 runner = CliRunner()
@@ -32,7 +34,7 @@ def document(result) -> dict:
 
 
 def test_version() -> None:
-    from vsnap._manifest import FORMAT_VERSION
+    from vsnap.image.manifest import FORMAT_VERSION
     from vsnap.protocol import control
 
     result = invoke("--version")
@@ -114,7 +116,7 @@ def test_stop_of_an_unknown_target_exits_10(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def records() -> list:
-    from vsnap._instances import InstanceRecord
+    from vsnap.host.instances import InstanceRecord
 
     now = time.time()
     identity = {"owner": {"pid": 4242, "start_time": 1, "boot_id": "b"},

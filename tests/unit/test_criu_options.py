@@ -1,7 +1,7 @@
 from pathlib import Path
 
-from vsnap._criu import excerpt_errors, hint_for, parse_version
-from vsnap._criu_options import DumpOptions, RestoreOptions, external_mounts
+from vsnap.host.criu.options import DumpOptions, RestoreOptions, external_mounts
+from vsnap.host.criu.runner import excerpt_errors, hint_for, parse_version
 from vsnap.protocol.errors import CriuError
 
 MOUNTINFO = """\
@@ -64,7 +64,7 @@ def test_error_excerpt_and_hint(tmp_path: Path) -> None:
 
 
 def test_lazy_restore_and_its_page_server_share_the_work_dir(tmp_path: Path) -> None:
-    from vsnap._criu_options import LazyPagesOptions, RestoreOptions
+    from vsnap.host.criu.options import LazyPagesOptions, RestoreOptions
 
     restore = RestoreOptions(images_dir=tmp_path / "criu", work_dir=tmp_path / "w", log_file=tmp_path / "w/r.log",
                              pidfile=tmp_path / "w/pid", lazy_pages=True)
@@ -77,8 +77,8 @@ def test_lazy_restore_and_its_page_server_share_the_work_dir(tmp_path: Path) -> 
 def test_a_page_server_that_dies_at_start_is_an_error_naming_its_log(tmp_path: Path) -> None:
     import pytest
 
-    from vsnap._criu import CriuRunner, LazyPagesServer
-    from vsnap._criu_options import LazyPagesOptions
+    from vsnap.host.criu.options import LazyPagesOptions
+    from vsnap.host.criu.runner import CriuRunner, LazyPagesServer
     from vsnap.protocol.errors import CriuError
 
     fake = tmp_path / "criu"
@@ -95,7 +95,7 @@ def test_a_page_server_that_dies_at_start_is_an_error_naming_its_log(tmp_path: P
 
 
 def every_argv(tmp_path: Path) -> dict[str, list[str]]:
-    from vsnap._criu_options import LazyPagesOptions, check_argv, version_argv
+    from vsnap.host.criu.options import LazyPagesOptions, check_argv, version_argv
 
     return {
         "dump": DumpOptions(pid=42, images_dir=tmp_path, log_file=tmp_path / "d.log", leave_running=True,
@@ -117,7 +117,7 @@ def test_every_argv_has_no_default_config(tmp_path: Path) -> None:
 
 
 def test_criu_environment_drops_criu_variables(monkeypatch) -> None:
-    from vsnap._criu import criu_environment
+    from vsnap.host.criu.runner import criu_environment
 
     monkeypatch.setenv("CRIU_CONFIG_FILE", "/tmp/hostile.conf")  # read even with --no-default-config
     monkeypatch.setenv("CRIU_LIBS_DIR", "/tmp/plugins")  # plugins CRIU would load as root
@@ -130,8 +130,8 @@ def test_every_criu_run_gets_the_flag_and_the_clean_environment(tmp_path: Path, 
     """Every way the runner starts CRIU (version, check, check --feature, dump, restore, lazy-pages)."""
     import subprocess
 
-    from vsnap import _criu
-    from vsnap._criu_options import LazyPagesOptions
+    from vsnap.host.criu import runner as _criu
+    from vsnap.host.criu.options import LazyPagesOptions
 
     monkeypatch.setenv("CRIU_CONFIG_FILE", "/tmp/hostile.conf")
     runs: list[tuple[list[str], dict]] = []

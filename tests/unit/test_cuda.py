@@ -6,7 +6,7 @@ import pytest
 
 
 def test_gpu_pair_candidates_try_a_full_permutation_first(monkeypatch: pytest.MonkeyPatch) -> None:
-    from vsnap import _cuda
+    from vsnap.host import cuda as _cuda
 
     gpus = [{"uuid": f"GPU-{i}", "index": i} for i in range(3)]
     monkeypatch.setattr(_cuda, "gpu_facts", lambda: ("580", "13.0", gpus))
@@ -26,7 +26,7 @@ def test_gpu_pair_candidates_try_a_full_permutation_first(monkeypatch: pytest.Mo
     ([("A", "E")], []),  # a GPU this host lacks
 ])
 def test_complete_permutation_maps_every_gpu_once(pairs: list, expected: list) -> None:
-    from vsnap import _cuda
+    from vsnap.host import cuda as _cuda
 
     got = _cuda.complete_permutation(pairs, ["A", "B", "C", "D"])
     assert got == expected
@@ -35,7 +35,7 @@ def test_complete_permutation_maps_every_gpu_once(pairs: list, expected: list) -
 
 
 def test_uuid_round_trip() -> None:
-    from vsnap import _cuda
+    from vsnap.host import cuda as _cuda
 
     class Raw:
         bytes = bytes(range(16))
@@ -60,7 +60,8 @@ def _manifest_with_gpu(need: int, tp: int = 1, uuids: list[str] | None = None):
 
 
 def test_choose_gpus_for_one_rank(monkeypatch: pytest.MonkeyPatch) -> None:
-    from vsnap import _cuda, _restore
+    from vsnap.host import cuda as _cuda
+    from vsnap.ops import restore as _restore
     from vsnap.protocol.errors import HostNotReady
 
     gpus = [{"index": 0, "name": "NVIDIA H200", "uuid": U("a")}, {"index": 1, "name": "NVIDIA H200", "uuid": U("b")},
@@ -88,7 +89,9 @@ def test_choose_gpus_for_one_rank(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_the_gpus_facts_are_read_once_for_the_host_check_and_the_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     from concurrent.futures import Future
 
-    from vsnap import _cuda, _host, _restore
+    from vsnap.host import cuda as _cuda
+    from vsnap.image import compat
+    from vsnap.ops import restore as _restore
 
     def driver_asked_again() -> None:
         raise AssertionError("gpu_facts called although its future was given")
@@ -99,7 +102,7 @@ def test_the_gpus_facts_are_read_once_for_the_host_check_and_the_choice(monkeypa
     read.set_result(("580.1", "13.0", [{"index": 0, "name": "NVIDIA H200", "uuid": U("a"), "memory_bytes": 100}]))
     manifest = _manifest_with_gpu(50)
     assert _restore.choose_gpus(manifest, None, read)[0]["uuid"] == U("a")
-    facts = _host.current_facts(manifest, read)
+    facts = compat.current_facts(manifest, read)
     assert (facts.driver, facts.cuda, [g["uuid"] for g in facts.gpus]) == ("580.1", "13.0", [U("a")])
 
 
@@ -158,7 +161,7 @@ class FakeDriver:
 
 
 def test_checkpoint_then_restore_every_process_side_by_side() -> None:
-    from vsnap._cuda import CudaCheckpoint
+    from vsnap.host.cuda import CudaCheckpoint
 
     driver = FakeDriver([11, 12, 13])
     cuda = CudaCheckpoint(driver=driver)
@@ -171,7 +174,7 @@ def test_checkpoint_then_restore_every_process_side_by_side() -> None:
 
 
 def test_a_failed_restore_names_the_process() -> None:
-    from vsnap._cuda import CudaCheckpoint, CudaCheckpointError
+    from vsnap.host.cuda import CudaCheckpoint, CudaCheckpointError
 
     driver = FakeDriver([21, 22], fail=22)
     cuda = CudaCheckpoint(driver=driver)
@@ -184,7 +187,7 @@ def test_nvidia_smi_rows_parsed(monkeypatch: pytest.MonkeyPatch) -> None:
     import subprocess
     from types import SimpleNamespace
 
-    from vsnap import _cuda
+    from vsnap.host import cuda as _cuda
 
     outputs = {"--query-gpu=uuid,memory.free": "GPU-a, 1024\nGPU-b, [N/A]\n",
                "--query-compute-apps=pid,used_memory": "11, 512\n11, 256\n12, 100\nbad line\n"}
@@ -200,7 +203,8 @@ H200S = [{"index": i, "name": "NVIDIA H200", "uuid": U(c)} for i, c in enumerate
 def test_choose_gpus_for_a_tensor_parallel_image(monkeypatch: pytest.MonkeyPatch) -> None:
     """One GPU per rank, in rank order: each rank on its captured GPU where it has room, the others
     on the first other GPUs that do; --gpu names one per rank, each once."""
-    from vsnap import _cuda, _restore
+    from vsnap.host import cuda as _cuda
+    from vsnap.ops import restore as _restore
     from vsnap.protocol.errors import HostNotReady
 
     free = {U("a"): 90, U("b"): 90, U("c"): 90, U("d"): 90}
@@ -229,7 +233,7 @@ def test_choose_gpus_for_a_tensor_parallel_image(monkeypatch: pytest.MonkeyPatch
 
 
 def test_gpu_pairs_map_each_rank_and_nothing_when_all_stay() -> None:
-    from vsnap import _restore
+    from vsnap.ops import restore as _restore
 
     a, b, c = ({"uuid": u} for u in ("GPU-a", "GPU-b", "GPU-c"))
     assert _restore.gpu_pairs(["GPU-a"], [a]) == []  # one rank on its own GPU: no map, as before
@@ -245,7 +249,7 @@ def test_a_manifest_without_the_tensor_parallel_fields_reads_as_one_rank(tmp_pat
     import json
 
     from tests.unit import fake_image
-    from vsnap._manifest import read_manifest
+    from vsnap.image.manifest import read_manifest
 
     gpus = [{"index": 0, "name": "NVIDIA H200", "uuid": U("a"), "memory_bytes": 100}]
     raw = json.loads(fake_image.manifest(host=fake_image.host_facts(gpus=gpus), cuda_processes=2).model_dump_json())
@@ -257,9 +261,8 @@ def test_a_manifest_without_the_tensor_parallel_fields_reads_as_one_rank(tmp_pat
 
 
 def test_a_manifest_needs_one_different_gpu_per_rank() -> None:
-    from vsnap.protocol.records import RecordError
-
     from tests.unit import fake_image
+    from vsnap.protocol.records import RecordError
 
     assert fake_image.manifest(tensor_parallel_size=2, gpu_uuids=[U("a"), U("b")]).captured_gpus() == [
         U("a"), U("b")]
@@ -278,7 +281,7 @@ def test_a_crafted_manifest_names_real_gpus_for_its_ranks_or_is_refused_at_read(
     import json
 
     from tests.unit import fake_image
-    from vsnap._manifest import read_manifest
+    from vsnap.image.manifest import read_manifest
     from vsnap.protocol.errors import ImageFormatError
 
     gpus = [{"index": 0, "name": "NVIDIA H200", "uuid": U("a"), "memory_bytes": 100}]
@@ -308,7 +311,8 @@ def test_gpu_lists_with_an_empty_entry_or_of_any_length_are_refused_in_one_line(
     """--gpu 0,,1 for two ranks was refused as 'names 2 GPU(s); the image has 2 rank(s)' (the cause,
     the empty entry, unnamed), and every refusal echoed the argument whole: a newline in it split
     the error over lines, a long list made a line of any length."""
-    from vsnap import _cuda, _restore
+    from vsnap.host import cuda as _cuda
+    from vsnap.ops import restore as _restore
     from vsnap.protocol.errors import HostNotReady
 
     monkeypatch.setattr(_cuda, "gpu_facts", lambda: ("580", "13.0", H200S))
@@ -328,7 +332,7 @@ def test_gpu_lists_with_an_empty_entry_or_of_any_length_are_refused_in_one_line(
 def test_a_standby_with_gpu_is_refused_in_one_line_however_long_the_gpu_argument() -> None:
     """The standby refusal echoed --gpu whole (a newline split it, 5000 characters made one line of
     that length); it is refused before any check of the host, so this runs unprivileged."""
-    from vsnap import _restore
+    from vsnap.ops import restore as _restore
     from vsnap.protocol.errors import UnsupportedOption
 
     for requested in ("0", "0\n1", "x" * 5000):
@@ -338,7 +342,8 @@ def test_a_standby_with_gpu_is_refused_in_one_line_however_long_the_gpu_argument
 
 
 def test_the_driver_starts_early_once_and_keeps_its_failure(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    from vsnap import _cuda, _gpu_early
+    from vsnap.host import cuda as _cuda
+    from vsnap.host import gpu_early as _gpu_early
     from vsnap.protocol.errors import HostNotReady
 
     monkeypatch.setattr(_gpu_early, "_facts", None)

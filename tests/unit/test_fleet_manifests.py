@@ -15,10 +15,9 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+import kubernetes.client.models as k8s_models  # the dev extra installs it: no skip that could hide its absence
 import pytest
 import yaml
-
-import kubernetes.client.models as k8s_models  # the dev extra installs it: no skip that could hide its absence
 from kubernetes.client import ApiClient
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -195,7 +194,7 @@ def model_spec() -> dict[str, Any]:
 
 
 def test_the_model_spec_is_a_valid_vsnap_spec() -> None:
-    from vsnap._spec import _parse_yaml, spec_from_data
+    from vsnap.spec.schema import _parse_yaml, spec_from_data
 
     text = by_kind()["ConfigMap/vsnap-model-llama-8b"]["data"]["model.yaml"]
     data, positions, bad = _parse_yaml(text, "model.yaml")

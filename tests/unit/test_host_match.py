@@ -9,12 +9,12 @@ import os
 from pathlib import Path
 
 import pytest
-from rich.console import Console
 
 from tests.unit.fake_image import host_facts, manifest
-from vsnap import _host, _verified
-from vsnap._host import HostDifference, compare_facts, host_differences, require_host_matches
-from vsnap._manifest import Dependency
+from vsnap.host import verified as _verified
+from vsnap.image import compat
+from vsnap.image.compat import HostDifference, compare_facts, host_differences, require_host_matches
+from vsnap.image.manifest import Dependency
 
 
 @pytest.fixture
@@ -143,14 +143,14 @@ def test_facts_read_in_another_thread_are_waited_for_after_the_files(tmp_path: P
 
     ready = Facts()
     ready.set_result(host_facts())
-    real = _host.dependency_mismatches
+    real = compat.dependency_mismatches
 
     def files(*args: object, **kwargs: object) -> list[tuple[str, str, str]]:
         order.append("files compared")
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_host, "dependency_mismatches", files)
+        patch.setattr(compat, "dependency_mismatches", files)
         differences = host_differences(image, ready, hash_files=True, cache_root=tmp_path / "verified")
     assert order == ["files compared", "facts awaited"]
     assert lines(differences)[:2] == [("torch: image has '2.12.0', host has '2.13.0+cpu'", True),
@@ -193,28 +193,28 @@ def test_a_hostile_recorded_value_cannot_forge_lines_or_drive_the_terminal() -> 
 @pytest.mark.usefixtures("settled_at_once")
 def test_dependencies_are_hashed_once_until_they_change(tmp_path: Path, deps: list[Path],
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    from vsnap import _image
+    from vsnap.image import store as _image
 
     recorded = [dependency(p) for p in deps[:2]]
     cache = tmp_path / "verified"
     hashed: list[str] = []
     real = _image.sha256_file
     monkeypatch.setattr(_image, "sha256_file", lambda p: (hashed.append(Path(p).name), real(p))[1])
-    assert _host.dependency_mismatches(recorded, hash_files=True, cache_root=cache) == []
+    assert compat.dependency_mismatches(recorded, hash_files=True, cache_root=cache) == []
     assert sorted(hashed) == ["libtorch.so", "model.safetensors"]
     hashed.clear()
-    assert _host.dependency_mismatches(recorded, hash_files=True, cache_root=cache) == []
+    assert compat.dependency_mismatches(recorded, hash_files=True, cache_root=cache) == []
     assert hashed == []  # remembered by identity: not read again
-    assert _host.dependency_mismatches(recorded, hash_files=True, cache_root=cache, rehash=True) == []
+    assert compat.dependency_mismatches(recorded, hash_files=True, cache_root=cache, rehash=True) == []
     assert sorted(hashed) == ["libtorch.so", "model.safetensors"]  # validate reads everything
     hashed.clear()
     deps[1].write_bytes(b"W" * 100)  # rewritten in place, same size: its ctime moved
-    assert len(_host.dependency_mismatches(recorded, hash_files=True, cache_root=cache)) == 1
+    assert len(compat.dependency_mismatches(recorded, hash_files=True, cache_root=cache)) == 1
     assert hashed == ["model.safetensors"]
     hashed.clear()
-    assert len(_host.dependency_mismatches(recorded, hash_files=True, cache_root=cache)) == 1
+    assert len(compat.dependency_mismatches(recorded, hash_files=True, cache_root=cache)) == 1
     assert hashed == ["model.safetensors"]  # a mismatch is never remembered
-    assert _host.dependency_mismatches(recorded, hash_files=False) == []  # sizes alone cannot tell
+    assert compat.dependency_mismatches(recorded, hash_files=False) == []  # sizes alone cannot tell
 
 
 @pytest.mark.usefixtures("settled_at_once")
@@ -231,7 +231,7 @@ def test_a_dependency_record_others_could_write_is_ignored(tmp_path: Path, deps:
 
 
 def test_old_manifests_without_packages_still_read() -> None:
-    from vsnap._manifest import HostFacts
+    from vsnap.image.manifest import HostFacts
 
     facts = HostFacts.model_validate_json('{"hostname": "h", "kernel": "k", "arch": "a", "criu": "4.2", '
                                           '"python": "3.11", "vsnap": "0.2.0"}')
@@ -240,7 +240,7 @@ def test_old_manifests_without_packages_still_read() -> None:
 
 
 def test_a_failed_restore_names_the_differences_that_did_not_stop_it() -> None:
-    from vsnap._restore import _note_host_differences
+    from vsnap.ops.restore import _note_host_differences
     from vsnap.protocol.errors import CriuError
 
     differences = [HostDifference("kernel", "5.15.0", "6.1.0", False, "why"),
@@ -270,8 +270,9 @@ def test_a_tensor_parallel_image_needs_a_gpu_of_its_model_per_rank() -> None:
 def test_criu_check_is_asked_once_per_boot_and_binary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`criu check` was 0.04 to 0.07 s of every restore's verify phase; its verdict is kept for the
     boot, the kernel and the binary it was asked of, and only in a directory of root's alone."""
-    from vsnap import _host, _proctree
-    from vsnap._criu import CriuRunner
+    from vsnap.host import facts as _host
+    from vsnap.host import proctree as _proctree
+    from vsnap.host.criu.runner import CriuRunner
 
     binary = tmp_path / "criu"
     binary.write_text("#!/bin/sh\n")

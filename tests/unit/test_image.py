@@ -3,8 +3,8 @@ from pathlib import Path
 
 import pytest
 
+from vsnap.image.store import check_parent, checksum_tree, image_lock, make_staging, publish
 from vsnap.protocol.errors import ImageError
-from vsnap._image import check_parent, checksum_tree, image_lock, make_staging, publish
 
 
 def test_publish_new_and_replace(tmp_path: Path) -> None:
@@ -79,8 +79,8 @@ def test_a_large_file_digest_is_what_the_documented_shell_command_prints(tmp_pat
 
 def test_manifest_of_another_format_version_is_named(tmp_path: Path) -> None:
     """A manifest of another version has other fields: its version must still be what is reported."""
+    from vsnap.image.manifest import read_manifest
     from vsnap.protocol.errors import ImageFormatError
-    from vsnap._manifest import read_manifest
 
     image = tmp_path / "img"
     image.mkdir()
@@ -101,10 +101,10 @@ def test_manifest_of_another_format_version_is_named(tmp_path: Path) -> None:
 def test_a_manifest_nested_too_deep_is_malformed_not_a_traceback(tmp_path: Path) -> None:
     """Hostile pass 10: json.loads raises RecursionError (not a ValueError) on deep nesting: the
     manifest's reader, `vsnap images` and the image check all ended in a traceback."""
+    from vsnap.image.local import list_images
+    from vsnap.image.manifest import read_manifest
+    from vsnap.image.store import is_vsnap_image
     from vsnap.protocol.errors import ImageFormatError
-    from vsnap._image import is_vsnap_image
-    from vsnap._images import list_images
-    from vsnap._manifest import read_manifest
 
     image = tmp_path / "img"
     image.mkdir()
@@ -120,7 +120,7 @@ def test_a_manifest_nested_too_deep_is_malformed_not_a_traceback(tmp_path: Path)
                                        ("::1", "http://[::1]:8000"), ("::", "http://[::1]:8000"),
                                        ("fe80::1", "http://[fe80::1]:8000"), ("localhost", "http://localhost:8000")])
 def test_server_urls_are_usable_ipv6_bracketed(host: str, url: str) -> None:
-    from vsnap._restore import server_url
+    from vsnap.ops.restore import server_url
 
     assert server_url(host, 8000) == url
     assert server_url(host, 8000, tls=True) == url.replace("http://", "https://")
@@ -128,7 +128,7 @@ def test_server_urls_are_usable_ipv6_bracketed(host: str, url: str) -> None:
 
 def test_only_vsnaps_own_leftovers_are_removed(tmp_path: Path) -> None:
     """The third hostile pass: in a sticky parent, another user's `.NAME.staging-x` was deleted by root."""
-    from vsnap._image import remove_stale_staging
+    from vsnap.image.store import remove_stale_staging
 
     image = tmp_path / "img"
     ours = make_staging(image)
@@ -147,8 +147,8 @@ def test_only_vsnaps_own_leftovers_are_removed(tmp_path: Path) -> None:
 def test_an_image_name_is_never_a_glob(tmp_path: Path) -> None:
     """Hostile pass 9: a capture of `a*` (or `[ab]`) removed the staging directory of a concurrent
     capture of `ab`, a pull of `a*` the staging of a pull of `ab`: NAME went into a glob pattern."""
-    from vsnap._image import remove_stale_staging
-    from vsnap._pull import make_or_adopt_staging
+    from vsnap.image.store import remove_stale_staging
+    from vsnap.registry.pull import make_or_adopt_staging
 
     other = tmp_path / "ab"
     capturing = make_staging(other)
@@ -170,9 +170,9 @@ def test_a_standbys_image_digest_is_the_manifest_files_not_this_versions_reading
     import hashlib
     import json
 
-    from vsnap._manifest import read_manifest
     from tests.unit import fake_image
-    from vsnap._restore import image_digest, manifest_digest
+    from vsnap.image.manifest import read_manifest
+    from vsnap.ops.restore import image_digest, manifest_digest
 
     image = fake_image.make_image(tmp_path / "images" / "m")
     raw = json.loads((image / "manifest.json").read_bytes())

@@ -14,12 +14,12 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from tests.unit.fake_image import FILES, make_image
-from vsnap import _images
-from vsnap._image import image_lock, image_read_lock
-from vsnap._instances import InstanceRecord, ProcessRef
-from vsnap._manifest import MANIFEST
 from vsnap.cli import app
 from vsnap.cli import images as images_cli
+from vsnap.host.instances import InstanceRecord, ProcessRef
+from vsnap.image import local as _images
+from vsnap.image.manifest import MANIFEST
+from vsnap.image.store import image_lock, image_read_lock
 from vsnap.protocol.errors import ImageBusy, ImageError, ImageUntrusted
 
 NOBODY = 65534

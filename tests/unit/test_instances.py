@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from vsnap import _instances
-from vsnap._instances import InstanceRecord, new_instance_dir, register, this_process
+from vsnap.host import instances as _instances
+from vsnap.host.instances import InstanceRecord, new_instance_dir, register, this_process
 
 
 def test_failed_runs_are_pruned_after_a_while(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -53,8 +53,8 @@ def test_a_record_whose_pid_was_reused_is_gone_and_never_signalled(tmp_path: Pat
     """The record names a process by PID and start time: the same PID with another start time is another process."""
     import subprocess
 
-    from vsnap._instances import ProcessRef, instance_records, running_instances
-    from vsnap._restore import stop_server
+    from vsnap.host.instances import ProcessRef, instance_records, running_instances
+    from vsnap.ops.restore import stop_server
 
     monkeypatch.setattr(_instances, "RUNTIME_DIR", tmp_path / "run")
     bystander = subprocess.Popen(["sleep", "60"])  # an unrelated process that now holds the recorded PID
@@ -87,7 +87,7 @@ def test_orphaned_shm_directories_go_and_nothing_else(tmp_path: Path) -> None:
     did not make (another owner's mode, a link) and what is young stays."""
     import secrets
 
-    from vsnap._shm import SHM, remove_orphans
+    from vsnap.host.shm import SHM, remove_orphans
 
     tag = secrets.token_hex(4)
     old, young, shared, link = (SHM / f"vsnap-test-{tag}-{n}" for n in ("old", "young", "shared", "link"))
@@ -111,7 +111,7 @@ def test_orphaned_shm_directories_go_and_nothing_else(tmp_path: Path) -> None:
 
 
 def test_every_regular_file_of_a_trees_shm_is_saved_and_nothing_else(tmp_path: Path) -> None:
-    from vsnap._shm import tree_shm_files
+    from vsnap.host.shm import tree_shm_files
     from vsnap.protocol.errors import ProcessTreeError
 
     shm = tmp_path / "shm"
@@ -128,7 +128,7 @@ def test_standby_records_follow_their_tree_and_unreadable_records_are_kept(tmp_p
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """A standby (or an activating one) runs while its tree runs, whoever owns it; a record another
     vsnap version wrote (it does not parse here) is neither acted on nor removed."""
-    from vsnap._instances import instance_records
+    from vsnap.host.instances import instance_records
 
     monkeypatch.setattr(_instances, "RUNTIME_DIR", tmp_path / "run")
     me = this_process()
@@ -180,9 +180,9 @@ def test_stopping_an_activation_whose_vsnap_died_does_not_wait(tmp_path: Path, m
     then waited the whole STOP_WAIT_S (60 s) for an answer no process would give."""
     import subprocess
 
-    from vsnap._instances import ProcessRef, running_instances
-    from vsnap._proctree import is_same
-    from vsnap._restore import stop_server
+    from vsnap.host.instances import ProcessRef, running_instances
+    from vsnap.host.proctree import is_same
+    from vsnap.ops.restore import stop_server
 
     monkeypatch.setattr(_instances, "RUNTIME_DIR", tmp_path / "run")
     me = this_process()
@@ -215,8 +215,8 @@ def test_a_record_naming_a_process_that_is_no_tree_is_never_signalled(tmp_path: 
     killed after STOP_WAIT_S."""
     import subprocess
 
-    from vsnap._instances import ProcessRef, running_instances
-    from vsnap._restore import stop_server
+    from vsnap.host.instances import ProcessRef, running_instances
+    from vsnap.ops.restore import stop_server
     from vsnap.protocol.errors import ProcessTreeError
 
     monkeypatch.setattr(_instances, "RUNTIME_DIR", tmp_path / "run")
@@ -233,7 +233,7 @@ def test_a_record_naming_a_process_that_is_no_tree_is_never_signalled(tmp_path: 
             stop_server(record)
         assert bystander.poll() is None and (directory / "keep").exists()
         # a restoring record whose "owner" is not vsnap: after the wait, the owner is not signalled
-        monkeypatch.setattr("vsnap._restore.STOP_WAIT_S", 0.2)
+        monkeypatch.setattr("vsnap.ops.restore.STOP_WAIT_S", 0.2)
         stuck = record.model_copy(update={"state": "restoring", "tree": None, "owner": ref})
         register(stuck)
         stop_server(stuck)
@@ -249,7 +249,7 @@ def test_a_record_under_another_name_or_with_a_crafted_id_is_not_acted_on(tmp_pa
     instance's id made `vsnap ps` delete that file (or the live record) and the live tree's /dev/shm."""
     import json
 
-    from vsnap._instances import instance_records, registry_dir
+    from vsnap.host.instances import instance_records, registry_dir
     from vsnap.protocol.records import RecordError
 
     monkeypatch.setattr(_instances, "RUNTIME_DIR", tmp_path / "run")
@@ -315,7 +315,7 @@ def test_a_mount_path_that_is_not_utf8_does_not_stop_the_pruning() -> None:
     import subprocess
     import tempfile
 
-    from vsnap._mounts import mount_roots
+    from vsnap.host.mounts import mount_roots
 
     if os.geteuid() != 0 or shutil.which("unshare") is None:
         pytest.skip("mounts in a namespace of its own: needs root and unshare")

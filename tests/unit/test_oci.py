@@ -13,15 +13,27 @@ from pathlib import Path
 import pytest
 import zstandard
 
-from vsnap._blobio import Cancelled, FileDigest, HashingIterator, checking, parallel, write_blob, zstd_chunks
-from vsnap._image import PIECE, piece_hashes
-from vsnap._manifest import FileEntry, Manifest
-from vsnap._oci import (ARTIFACT_TYPE, CONFIG_MEDIA_TYPE, MAX_OCI_MANIFEST_BYTES,
-                        OCI_MANIFEST, TITLE, Layer, Reference, build_manifest, encoding_for, match_manifest,
-                        parse_artifact, parse_reference, sha256_digest)
-from vsnap._pull import make_or_adopt_staging, staging_dir
-from vsnap._registry import docker_config_path, inline_credentials, read_docker_config
+from vsnap.image.manifest import FileEntry, Manifest
+from vsnap.image.store import PIECE, piece_hashes
 from vsnap.protocol.errors import ArtifactError, ImageUntrusted, RegistryUnavailable, UsageError
+from vsnap.registry.blobio import Cancelled, FileDigest, HashingIterator, checking, parallel, write_blob, zstd_chunks
+from vsnap.registry.client import docker_config_path, inline_credentials, read_docker_config
+from vsnap.registry.oci import (
+    ARTIFACT_TYPE,
+    CONFIG_MEDIA_TYPE,
+    MAX_OCI_MANIFEST_BYTES,
+    OCI_MANIFEST,
+    TITLE,
+    Layer,
+    Reference,
+    build_manifest,
+    encoding_for,
+    match_manifest,
+    parse_artifact,
+    parse_reference,
+    sha256_digest,
+)
+from vsnap.registry.pull import make_or_adopt_staging, staging_dir
 
 HEX = "a" * 64
 
@@ -388,7 +400,7 @@ def test_docker_config_follows_docker_config_env(tmp_path: Path, monkeypatch: py
 
 
 def test_pushed_blobs_are_remembered_until_the_file_changes(tmp_path: Path) -> None:
-    from vsnap._pushed import PushedBlobs
+    from vsnap.registry.pushed import PushedBlobs
 
     image, root = tmp_path / "img", tmp_path / "pushed"
     (image / "criu").mkdir(parents=True, mode=0o700)
@@ -445,7 +457,7 @@ def test_a_push_of_another_users_directory_writes_nothing_beside_it(tmp_path: Pa
     """Hostile pass 9: `vsnap push ~mallory/img` made root's `.img.readers.lock` in mallory's
     directory and parsed her manifest.json before the trust model refused the image."""
     from tests.unit.fake_image import make_image
-    from vsnap._push import push_image
+    from vsnap.registry.push import push_image
 
     image = make_image(tmp_path / "mallory" / "img")
     os.chown(image.parent, 65534, 65534)
@@ -456,8 +468,8 @@ def test_a_push_of_another_users_directory_writes_nothing_beside_it(tmp_path: Pa
 
 def test_a_registry_that_drips_bytes_is_given_up_after_the_grace() -> None:
     """Each read answers within the read timeout, yet a byte a second would hold a pull for ever."""
-    from vsnap._registry import at_least_min_rate
     from vsnap.protocol.errors import RegistryUnavailable
+    from vsnap.registry.client import at_least_min_rate
 
     now = [0.0]
 
@@ -484,7 +496,7 @@ def test_a_registry_that_drips_bytes_is_given_up_after_the_grace() -> None:
 def test_files_of_equal_content_are_sent_one_job_at_a_time() -> None:
     """Two jobs with one known digest take turns (the second then finds the blob in the registry);
     other digests, and digests known only once sent, do not wait."""
-    from vsnap._push import OnePerDigest
+    from vsnap.registry.push import OnePerDigest
 
     same = [Layer(f"pages-{n}.img", "raw", "sha256:" + "a" * 64, 10) for n in (1, 2)]
     other = Layer("core.img", "raw", "sha256:" + "b" * 64, 10)

@@ -42,7 +42,7 @@ def test_an_oracle_failure_the_tree_reports_with_odd_fields_is_still_one_line() 
     (a traceback) where vsnap reads it."""
     from pathlib import Path
 
-    from vsnap._restore import _engine_failure
+    from vsnap.ops.restore import _engine_failure
     from vsnap.protocol.control import ErrorReport
 
     report = ErrorReport(phase="recover", type="OracleMismatch", message="m",

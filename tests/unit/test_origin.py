@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from vsnap._origin import origin_name, read_origin, record_origin
+from vsnap.image.origin import origin_name, read_origin, record_origin
 
 
 def test_origin_is_shown_only_for_the_manifest_it_was_recorded_with(tmp_path: Path) -> None:

@@ -13,8 +13,8 @@ from typing import Any, Literal
 
 import pytest
 
-from vsnap._instances import CaptureRecord, InstanceRecord
-from vsnap._manifest import Manifest
+from vsnap.host.instances import CaptureRecord, InstanceRecord
+from vsnap.image.manifest import Manifest
 from vsnap.protocol import control
 from vsnap.protocol.oracle import Oracle
 from vsnap.protocol.records import Record, RecordError, field
@@ -120,7 +120,7 @@ def test_the_control_files_are_refused_in_one_line_naming_the_field(tmp_path: Pa
 
 
 def test_a_restore_command_imports_no_pydantic() -> None:
-    probe = "import sys, vsnap.cli, vsnap._restore; print(sorted(m for m in sys.modules if m.startswith('pydantic')))"
+    probe = "import sys, vsnap.cli, vsnap.ops.restore; print(sorted(m for m in sys.modules if m.startswith('pydantic')))"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -177,7 +177,7 @@ def test_a_hostile_key_is_shown_cut_and_on_one_line() -> None:
 
 @pytest.mark.parametrize("field_name,value", [("pid", 0), ("pid", (1 << 22) + 1), ("start_time", -1)])
 def test_a_process_record_names_a_real_pid(field_name: str, value: int) -> None:
-    from vsnap._instances import ProcessRef
+    from vsnap.host.instances import ProcessRef
 
     document = {"pid": 10, "start_time": 1, "boot_id": "b", field_name: value}
     with pytest.raises(RecordError, match=field_name):
@@ -228,7 +228,7 @@ def test_a_control_file_too_large_is_refused_before_it_is_read(tmp_path: Path,
 
 def test_another_format_versions_message_is_printable_and_short(tmp_path: Path) -> None:
     from tests.unit import fake_image
-    from vsnap._manifest import read_manifest
+    from vsnap.image.manifest import read_manifest
     from vsnap.protocol.errors import ImageIncompatible
 
     image = fake_image.make_image(tmp_path / "images" / "other", raw={"format_version": 3, "vsnap_version": "\ud800" + "v" * 500})
@@ -244,7 +244,7 @@ def test_another_format_versions_message_is_printable_and_short(tmp_path: Path) 
 
 def test_a_manifest_too_large_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from tests.unit import fake_image
-    from vsnap import _manifest
+    from vsnap.image import manifest as _manifest
     from vsnap.protocol.errors import ImageFormatError
 
     image = fake_image.make_image(tmp_path / "images" / "big")

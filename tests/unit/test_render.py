@@ -36,8 +36,8 @@ def test_inspect_renders_any_process_entry_a_manifest_holds() -> None:
 def test_a_full_disk_is_one_error_line_not_a_traceback(capsys) -> None:
     import errno
 
-    import typer
     import pytest as _pytest
+    import typer
 
     from vsnap.cli import error_boundary
 
@@ -63,8 +63,8 @@ def test_progress_on_a_file_is_what_rich_wrote_there_without_rich(monkeypatch) -
     progress lines itself, byte for byte as the rich console did, and only then skips importing rich."""
     import sys
 
-    from vsnap._events import PhaseEvent
     from vsnap.cli import _render
+    from vsnap.host.events import PhaseEvent
 
     for name in ("FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE"):
         monkeypatch.delenv(name, raising=False)

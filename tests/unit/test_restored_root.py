@@ -12,15 +12,15 @@ import sys
 
 import pytest
 
-from vsnap import _proctree
-from vsnap._proctree import identify_restored_root, in_tree_namespace, namespace_pids
+from vsnap.host import proctree as _proctree
+from vsnap.host.proctree import identify_restored_root, in_tree_namespace, namespace_pids
 
 # A child that hands a PID namespace's first process to this process, as `criu restore
 # --restore-detached` does: `unshare --pid --fork` is killed, its child is reparented to us.
 PROBE = r"""
 import json, os, signal, subprocess, sys, time
 sys.path[:0] = [os.environ["SRC"]]
-from vsnap._proctree import become_subreaper, identify_restored_root, in_tree_namespace, identify, namespace_pids, our_children
+from vsnap.host.proctree import become_subreaper, identify_restored_root, in_tree_namespace, identify, namespace_pids, our_children
 become_subreaper()
 before_launch = our_children()
 launcher = subprocess.Popen(["unshare", "--pid", "--fork", "sleep", "60"])

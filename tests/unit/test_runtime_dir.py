@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from vsnap._paths import DEFAULT_RUNTIME_DIR, _runtime_dir
+from vsnap.host.paths import DEFAULT_RUNTIME_DIR, _runtime_dir
 
 VSNAP = str(Path(sys.executable).with_name("vsnap"))
 

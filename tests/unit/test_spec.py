@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from vsnap.protocol.errors import SpecError
-from vsnap._spec import MAX_DEPTH, MAX_NODES, MAX_SPEC_BYTES, load_spec
+from vsnap.spec.schema import MAX_DEPTH, MAX_NODES, MAX_SPEC_BYTES, load_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -324,7 +324,7 @@ def test_command_line_overrides_pass_the_same_checks(tmp_path: Path) -> None:
 def test_python_construction_checks_the_same_rules() -> None:
     from pydantic import ValidationError
 
-    from vsnap._spec import ModelSpec
+    from vsnap.spec.schema import ModelSpec
 
     for kwargs, text in [({"image": "/etc"}, "/etc is a system directory"),
                          ({"engine": "vllm"}, "engine vllm needs 'model'"),

@@ -14,8 +14,9 @@ from typing import Any
 
 import pytest
 
-from vsnap.engine.adapters import vllm_rules, vllm_serve_args, vllm_tp
-
+from vsnap.engine.adapters.vllm import rules as vllm_rules
+from vsnap.engine.adapters.vllm import serve_args as vllm_serve_args
+from vsnap.engine.adapters.vllm import tp as vllm_tp
 
 # --- the worker side (vllm_tp) ------------------------------------------------------------------
 
@@ -176,7 +177,7 @@ def test_drop_cuda_graphs_clears_the_wrappers_and_the_v2_manager() -> None:
 
 
 def test_the_tensor_parallel_methods_are_in_vsnaps_one_worker_extension() -> None:
-    from vsnap.engine.adapters import vllm_weights
+    from vsnap.engine.adapters.vllm import weights as vllm_weights
 
     assert issubclass(vllm_weights.WeightsFileExtension, vllm_tp.TensorParallelExtension)
     assert vllm_rules.VSNAP_WORKER_EXTENSION == vllm_weights.EXTENSION  # the name specs and images carry
@@ -205,7 +206,8 @@ class FakeEngine:
 
 
 def adapter(ranks: int, recapture: bool, engine: FakeEngine) -> Any:
-    from vsnap.engine.adapters import vllm, vllm_weights
+    from vsnap.engine.adapters.vllm import adapter as vllm
+    from vsnap.engine.adapters.vllm import weights as vllm_weights
 
     a = vllm.VllmAdapter(SimpleNamespace(weights_dir=None))
     a.engine, a.tp, a.recapture = engine, ranks, recapture
@@ -214,7 +216,7 @@ def adapter(ranks: int, recapture: bool, engine: FakeEngine) -> Any:
 
 
 def test_merge_ranks() -> None:
-    from vsnap.engine.adapters.vllm import merge_ranks
+    from vsnap.engine.adapters.vllm.adapter import merge_ranks
 
     assert merge_ranks([]) == {}
     assert merge_ranks([{"a_s": 1.0, "x": "same"}]) == {"a_s": 1.0, "x": "same"}  # one rank: as it is
@@ -224,7 +226,7 @@ def test_merge_ranks() -> None:
 
 
 def test_sleep_disconnects_first_and_wake_rebuilds_last() -> None:
-    from vsnap.engine.adapters import vllm
+    from vsnap.engine.adapters.vllm import adapter as vllm
 
     engine = FakeEngine(2, {"vsnap_tp_reconnect": lambda r: {"nccl_init_s": 0.2 + r, "comms_reconnected": 1.0},
                             "vsnap_recapture_graphs": {"graph_capture_s": 4.0, "graph_bytes": 1e9},
@@ -256,7 +258,7 @@ def test_one_rank_without_the_opt_in_calls_exactly_what_it_did() -> None:
 
 
 def test_every_rank_file_must_be_there_and_fingerprints_name_the_rank(tmp_path, capsys) -> None:
-    from vsnap.engine.adapters import vllm_weights
+    from vsnap.engine.adapters.vllm import weights as vllm_weights
 
     a = adapter(2, True, FakeEngine(2, {"vsnap_fingerprint": lambda r: {"parameter w": 10 + r}}))
     a.weights_source = "file"
@@ -276,7 +278,7 @@ def test_one_rank_trees_keep_the_environment_they_had(tmp_path) -> None:
     """The TP variables are the engine's to set, and only with TP > 1 (vllm.py sets them before its
     workers spawn): with one rank they would change vLLM's compile-cache key and what every
     existing one-GPU capture and cold start ran with."""
-    from vsnap._capture import tree_environment
+    from vsnap.ops.capture import tree_environment
 
     for engine in ("vllm", "cpu"):
         env = tree_environment(tmp_path / "control", tmp_path, engine)
@@ -284,7 +286,8 @@ def test_one_rank_trees_keep_the_environment_they_had(tmp_path) -> None:
 
 
 def test_capture_takes_the_first_gpus_in_cuda_order(monkeypatch: pytest.MonkeyPatch) -> None:
-    from vsnap import _capture, _cuda
+    from vsnap.host import cuda as _cuda
+    from vsnap.ops import capture as _capture
     from vsnap.protocol.errors import HostNotReady
 
     gpus = [{"index": i, "uuid": f"GPU-{i}"} for i in range(2)]
@@ -304,7 +307,8 @@ def test_capture_takes_the_first_gpus_in_cuda_order(monkeypatch: pytest.MonkeyPa
 
 
 def test_host_facts_keep_the_visible_order(monkeypatch: pytest.MonkeyPatch) -> None:
-    from vsnap import _cuda, _host
+    from vsnap.host import cuda as _cuda
+    from vsnap.host import facts as _host
 
     gpus = [{"index": i, "uuid": f"GPU-{c}", "name": "H200", "memory_bytes": 1} for i, c in enumerate("abc")]
     monkeypatch.setattr(_cuda, "gpu_facts", lambda: ("580", "13.0", gpus))
@@ -323,7 +327,7 @@ def test_spec_tensor_parallel_size() -> None:
 
 
 def test_open_device_files_finds_what_a_process_holds(tmp_path) -> None:
-    from vsnap._proctree import open_device_files
+    from vsnap.host.proctree import open_device_files
 
     with open(os.devnull) as held:  # /dev/null stands for /dev/nvidia0 here
         found = open_device_files([os.getpid(), 2 ** 22 + 7], prefix="/dev/null")
@@ -335,7 +339,7 @@ def test_open_device_files_finds_a_gpu_major_wherever_its_node_lives(tmp_path) -
     """A character device of the GPU's major is found by its device number, not only under
     /dev/nvidia* (here /dev/null's major stands for 195, and a second node made with mknod for a
     node outside /dev)."""
-    from vsnap._proctree import gpu_device_majors, open_device_files
+    from vsnap.host.proctree import gpu_device_majors, open_device_files
 
     null_major = os.major(os.stat(os.devnull).st_rdev)
     with open(os.devnull) as held:
@@ -355,7 +359,7 @@ def test_open_device_files_finds_a_gpu_major_wherever_its_node_lives(tmp_path) -
 
 
 def test_a_gpu_device_file_left_open_fails_the_capture_in_one_line(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    from vsnap import _capture
+    from vsnap.ops import capture as _capture
     from vsnap.protocol.errors import ProcessTreeError
 
     _capture.require_no_gpu_files([os.getpid()], tmp_path)  # nothing held: passes
@@ -374,7 +378,9 @@ def test_an_inherited_cuda_visible_devices_records_the_gpus_the_ranks_see(monkey
     sees b as index 0 and a as index 1, as the tree does; looking the indices up in that view
     recorded rank 0 on a (it ran on b), and `=2,3` on four GPUs found none (no map at restore:
     the ranks came back on their old GPUs, not the ones vsnap chose and checked)."""
-    from vsnap import _capture, _cuda, _host
+    from vsnap.host import cuda as _cuda
+    from vsnap.host import facts as _host
+    from vsnap.ops import capture as _capture
 
     seen = [{"index": 0, "uuid": "GPU-b", "name": "H200", "memory_bytes": 1},
             {"index": 1, "uuid": "GPU-a", "name": "H200", "memory_bytes": 1}]  # vsnap's view under 1,0

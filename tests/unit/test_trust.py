@@ -7,9 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from vsnap._image import image_lock, image_read_lock, require_replaceable, require_trust
-from vsnap._trust import copy_no_follow, require_inside, require_plain_names, require_trusted_ancestors, \
-    require_trusted_tree
+from vsnap.host.trust import (
+    copy_no_follow,
+    require_inside,
+    require_plain_names,
+    require_trusted_ancestors,
+    require_trusted_tree,
+)
+from vsnap.image.store import image_lock, image_read_lock, require_replaceable, require_trust
 from vsnap.protocol.errors import ImageBusy, ImageError, ImageUntrusted
 
 NOBODY = 65534
@@ -89,7 +94,7 @@ def test_names_vsnap_creates_elsewhere_are_plain() -> None:
 
 
 def test_shm_files_must_be_files_of_the_image(tmp_path: Path) -> None:
-    from vsnap._manifest import Manifest
+    from vsnap.image.manifest import Manifest
 
     manifest = Manifest.model_construct(files={}, shm_files=["link_remap.1"])
     with pytest.raises(ImageUntrusted, match="names a file the image does not list"):
@@ -154,7 +159,7 @@ def test_copy_follows_no_link_on_either_side(tmp_path: Path) -> None:
 def test_missing_ancestors_are_made_by_root_or_refused(tmp_path: Path) -> None:
     """The hostile pass: a control_dir whose ancestors are missing under a sticky, world-writable
     directory. Whoever creates the missing ancestor first owns it; root must notice, not write through it."""
-    from vsnap._trust import make_trusted_dirs
+    from vsnap.host.trust import make_trusted_dirs
 
     shared = tmp_path / "shared-tmp"
     shared.mkdir()
@@ -174,8 +179,8 @@ def test_missing_ancestors_are_made_by_root_or_refused(tmp_path: Path) -> None:
 
 
 def test_a_dependency_that_is_not_a_regular_file_is_named_not_read(tmp_path: Path) -> None:
-    from vsnap._host import dependency_mismatches
-    from vsnap._manifest import Dependency
+    from vsnap.image.compat import dependency_mismatches
+    from vsnap.image.manifest import Dependency
 
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
@@ -213,9 +218,9 @@ def test_copies_keep_the_holes_of_sparse_files(tmp_path: Path) -> None:
 def test_a_model_or_dependency_someone_else_can_change_is_refused(tmp_path: Path) -> None:
     """The third hostile pass: a model directory its user owned was changed after the capture, and
     restores served the changed weights (the oracle's few prompts did not reach the rows changed)."""
-    from vsnap._host import dependency_mismatches
-    from vsnap._manifest import Dependency
-    from vsnap._trust import require_trusted_model
+    from vsnap.host.trust import require_trusted_model
+    from vsnap.image.compat import dependency_mismatches
+    from vsnap.image.manifest import Dependency
 
     model = tmp_path / "model"
     model.mkdir()
@@ -239,7 +244,7 @@ def test_a_model_path_through_someone_elses_link_is_refused(tmp_path: Path) -> N
     """The fourth hostile pass: `model: /home/mal/m`, mal's link to root's model; mal re-pointed it
     while CRIU restored, and the engine reloaded mal's weights. The link is refused, and a trusted
     path is recorded resolved."""
-    from vsnap._trust import require_trusted_model
+    from vsnap.host.trust import require_trusted_model
 
     model = tmp_path / "model"
     model.mkdir()
@@ -261,8 +266,8 @@ def test_a_model_path_through_someone_elses_link_is_refused(tmp_path: Path) -> N
 def test_a_spec_reached_through_someone_elses_link_is_never_read(tmp_path: Path) -> None:
     """The fifth hostile pass: `vsnap validate ~zed/spec.yaml`, zed's link to /etc/shadow, printed
     the shadow file line by line as unknown keys."""
-    from vsnap._spec import load_spec
     from vsnap.protocol.errors import SpecError
+    from vsnap.spec.schema import load_spec
 
     secret = tmp_path / "secret"
     secret.write_text("root:*:20228:0:99999:7:::\n")
@@ -281,7 +286,7 @@ def test_a_spec_reached_through_someone_elses_link_is_never_read(tmp_path: Path)
 
 
 def test_a_dependency_recorded_through_someone_elses_link_is_refused(tmp_path: Path) -> None:
-    from vsnap._trust import untrusted_file
+    from vsnap.host.trust import untrusted_file
 
     lib = tmp_path / "lib.so"
     lib.write_bytes(b"\x7fELF")
@@ -295,7 +300,7 @@ def test_a_dependency_recorded_through_someone_elses_link_is_refused(tmp_path: P
 def test_no_directory_is_made_through_someone_elses_link(tmp_path: Path) -> None:
     """The sixth hostile pass: `--out /tmp/yx/new/sub` with /tmp/yx yan's link to /root made
     /root/new/sub before the check refused the link."""
-    from vsnap._trust import make_trusted_dirs
+    from vsnap.host.trust import make_trusted_dirs
 
     shared = tmp_path / "shared-tmp"
     shared.mkdir()
@@ -314,7 +319,7 @@ def test_no_directory_is_made_through_someone_elses_link(tmp_path: Path) -> None
 
 def test_an_image_parent_is_never_made_through_someone_elses_link(tmp_path: Path) -> None:
     """The seventh hostile pass: check_parent's mkdir -p raced a user's link into /root."""
-    from vsnap._image import check_parent
+    from vsnap.image.store import check_parent
 
     shared = tmp_path / "shared-tmp"
     shared.mkdir()
@@ -344,7 +349,7 @@ def test_force_never_replaces_an_image_someone_else_owns(tmp_path: Path) -> None
 def test_a_single_file_the_engine_reads_must_be_roots_regular_file(tmp_path: Path) -> None:
     """A chat template, a TLS key: root's alone like the model, and a regular file (a FIFO or
     /dev/zero as a template would block the engine or never end)."""
-    from vsnap._trust import require_trusted_file, require_trusted_path
+    from vsnap.host.trust import require_trusted_file, require_trusted_path
 
     template = tmp_path / "template.jinja"
     template.write_text("{{ messages }}")
@@ -373,7 +378,7 @@ def test_a_file_only_root_may_read_is_named(tmp_path: Path) -> None:
     file anyone may read (not /etc/shadow), and reachable by them."""
     import tempfile
 
-    from vsnap._trust import unreadable_by_others
+    from vsnap.host.trust import unreadable_by_others
 
     public = Path(tempfile.mkdtemp(dir="/tmp"))  # under sticky /tmp: others may enter it once it is 0755
     try:
@@ -404,7 +409,7 @@ def make_site(root: Path) -> Path:
 def test_a_worker_extension_must_be_roots_installed_code(tmp_path: Path) -> None:
     """untrusted_module: found as the import system would (first match on the path), without
     importing anything, in root's site-packages only, every file on the way root's alone."""
-    from vsnap._trust import untrusted_module
+    from vsnap.host.trust import untrusted_module
 
     site = make_site(tmp_path)
     assert untrusted_module("pkg.ext.Extension", [str(site)], [str(site)]) is None

@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from vsnap import _verified
+from vsnap.host import verified as _verified
+from vsnap.image.store import checksum_tree, verify_files
 from vsnap.protocol.errors import ImageTampered, ImageUntrusted
-from vsnap._image import checksum_tree, verify_files
 
 
 @pytest.fixture(autouse=True)
@@ -110,7 +110,7 @@ def test_no_record_is_written_through_another_users_directory(tmp_path: Path) ->
     user's directory or link."""
     import os
 
-    from vsnap._verified import writable_root
+    from vsnap.host.verified import writable_root
 
     if os.geteuid() != 0:
         pytest.skip("needs root (chown)")

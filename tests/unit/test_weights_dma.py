@@ -16,8 +16,8 @@ import pytest
 
 np = pytest.importorskip("numpy")
 
-from vsnap.engine.adapters import vllm_weights  # noqa: E402
-from vsnap.engine.adapters.vllm_weights import RegistrationRefused, Segment, dma_into  # noqa: E402
+from vsnap.engine.adapters.vllm import weights as vllm_weights  # noqa: E402
+from vsnap.engine.adapters.vllm.weights import RegistrationRefused, Segment, dma_into  # noqa: E402
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 

@@ -13,7 +13,7 @@ import types
 
 import pytest
 
-from vsnap.engine.adapters import vllm_weights
+from vsnap.engine.adapters.vllm import weights as vllm_weights
 
 
 class CuMemAllocator:

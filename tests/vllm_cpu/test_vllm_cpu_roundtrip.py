@@ -13,7 +13,7 @@ import pytest
 
 from tests.conftest import engine_processes
 from tests.vllm_cpu.conftest import ROOT, VllmImage, run_vsnap
-from vsnap._proctree import tree_pids
+from vsnap.host.proctree import tree_pids
 
 pytestmark = pytest.mark.criu
 

@@ -19,8 +19,9 @@ from typing import Any, Callable, Sequence, TypeVar
 import typer
 from typer.core import TyperGroup
 
-from .._paths import require_runtime_dir
-from ..protocol.errors import UsageError, VsnapError
+from vsnap.host.paths import require_runtime_dir
+from vsnap.protocol.errors import UsageError, VsnapError
+
 from . import _render
 
 EXIT_CODES_HELP = """
@@ -100,13 +101,10 @@ _app = typer.Typer(
 
 def versions() -> dict[str, Any]:
     """vsnap's version, and the versions of the engine contract and the image format it speaks."""
-    from .. import __version__
-    from .._manifest import FORMAT_VERSION
-    from ..protocol import control
+    from vsnap.image.manifest import FORMAT_VERSION
+    from vsnap.protocol.version import PROTOCOL_VERSION, __version__
 
-    found: dict[str, Any] = {"vsnap": __version__, "control_protocol": getattr(control, "PROTOCOL_VERSION", None),
-                             "image_format": FORMAT_VERSION}
-    return {k: v for k, v in found.items() if v is not None}
+    return {"vsnap": __version__, "control_protocol": PROTOCOL_VERSION, "image_format": FORMAT_VERSION}
 
 
 @_app.callback(invoke_without_command=True)

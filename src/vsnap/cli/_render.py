@@ -20,8 +20,8 @@ import re
 import sys
 from typing import TYPE_CHECKING, Any, Iterable
 
-from ..protocol.errors import VsnapError
-from .._events import PhaseEvent
+from vsnap.host.events import PhaseEvent
+from vsnap.protocol.errors import VsnapError
 
 if TYPE_CHECKING:
     from rich.console import Console

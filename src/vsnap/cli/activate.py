@@ -6,9 +6,9 @@ from typing import Optional
 
 import typer
 
-from . import _render
+from . import _app as app
+from . import _render, error_boundary
 from .restore import serving_document, serving_line
-from . import _app as app, error_boundary
 
 
 @app.command(help="Serve a standby (`vsnap restore IMAGE --standby`): restore its CUDA state onto --gpu, bring "
@@ -24,11 +24,11 @@ def activate(
                                                           "of their model with enough free memory)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON document on stdout"),
 ) -> None:
-    from .. import _gpu_early
+    from vsnap.host import gpu_early as _gpu_early
 
     _gpu_early.start()  # the CUDA driver starts while the restore path is imported
-    from .. import _restore  # here, not at import: every vsnap command loads every command module
-    from .._proctree import seconds_since_start
+    from vsnap.host.proctree import seconds_since_start
+    from vsnap.ops import restore as _restore  # here, not at import: every vsnap command loads every command module
 
     started_s = seconds_since_start()  # the interpreter's start and the imports, before any phase
     progress = _render.PhaseProgress()

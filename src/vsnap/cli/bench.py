@@ -6,8 +6,8 @@ from pathlib import Path
 
 import typer
 
-from . import _render
-from . import _app as app, error_boundary
+from . import _app as app
+from . import _render, error_boundary
 
 
 def is_breakdown(key: str) -> bool:
@@ -32,8 +32,8 @@ def bench(
                                                                       "then `vsnap activate` to the first completion"),
     as_json: bool = typer.Option(False, "--json", help="print the record as JSON"),
 ) -> None:
-    from .. import _bench  # here, not at import: every vsnap command loads every command module
-    from .._spec import load_spec
+    from vsnap.ops.bench import run as _bench  # here, not at import: every vsnap command loads every command module
+    from vsnap.spec.schema import load_spec
     progress = _render.PhaseProgress()
     try:
         record = _bench.run_bench(load_spec(spec), runs=runs, cold_runs=cold_runs or None, lazy_pages=lazy_pages,

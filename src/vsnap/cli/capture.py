@@ -8,8 +8,8 @@ from typing import Optional
 
 import typer
 
-from . import _render
-from . import _app as app, error_boundary
+from . import _app as app
+from . import _render, error_boundary
 
 
 @app.command(help="Boot the engine of SPEC (a model.yaml), checkpoint it at its barrier and publish the image.")
@@ -20,8 +20,8 @@ def capture(
     force: bool = typer.Option(False, "--force", help="replace an existing image once the new one is complete"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON document on stdout"),
 ) -> None:
-    from .. import _capture  # here, not at import: every vsnap command loads every command module
-    from .._spec import load_spec
+    from vsnap.ops import capture as _capture  # here, not at import: every vsnap command loads every command module
+    from vsnap.spec.schema import load_spec
     # --image goes through the spec's own checks (absolute, no system directory, apart from the control dir)
     override = {"image": os.path.abspath(image)} if image is not None else None
     model_spec = load_spec(spec, overrides=override)

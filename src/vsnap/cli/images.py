@@ -12,11 +12,11 @@ from rich import box
 from rich.table import Table
 from rich.text import Text
 
-from . import _render
-from . import _app as app, error_boundary
+from . import _app as app
+from . import _render, error_boundary
 
 if TYPE_CHECKING:
-    from .. import _images
+    from vsnap.image import local as _images
 
 
 def one_line(text: str) -> str:
@@ -96,7 +96,7 @@ def images(
     dirs: Optional[List[Path]] = typer.Argument(None, help="directories of images, or images"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON document on stdout"),
 ) -> None:
-    from .. import _images  # here, not at import: every vsnap command loads every command module
+    from vsnap.image import local as _images  # here, not at import: every vsnap command loads every command module
 
     listing = _images.list_images(dirs or ())
     if as_json:

@@ -8,8 +8,8 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from . import _render
-from . import _app as app, error_boundary
+from . import _app as app
+from . import _render, error_boundary
 
 
 @app.command(help="Show what an image holds (reads manifest.json only).")
@@ -18,7 +18,10 @@ def inspect(
     image: Path = typer.Argument(..., help="image directory"),
     as_json: bool = typer.Option(False, "--json", help="print the manifest as JSON"),
 ) -> None:
-    from .._manifest import WEIGHTS_DIR, read_manifest  # here, not at import: every vsnap command loads every command module
+    from vsnap.image.manifest import (  # here, not at import: every vsnap command loads every command module
+        WEIGHTS_DIR,
+        read_manifest,
+    )
     manifest = read_manifest(image)
     if as_json:
         _render.print_json("inspect", {"image": str(image), "manifest": manifest.model_dump(mode="json")})

@@ -11,10 +11,10 @@ from rich.table import Table
 from rich.text import Text
 
 if TYPE_CHECKING:
-    from .. import _instances
+    from vsnap.host import instances as _instances
 
-from . import _render
-from . import _app as app, error_boundary
+from . import _app as app
+from . import _render, error_boundary
 
 
 def compact_duration(seconds: float) -> str:
@@ -66,7 +66,7 @@ def ps_table(running: Iterable[_instances.InstanceRecord], gone: Iterable[_insta
 def _records() -> tuple[list[_instances.InstanceRecord], list[_instances.InstanceRecord]]:
     """(running, gone): a record whose processes ended or whose PID now belongs to another process
     is gone: shown once, then pruned by the registry."""
-    from .. import _instances
+    from vsnap.host import instances as _instances
 
     return _instances.instance_records()
 
@@ -75,7 +75,9 @@ def _records() -> tuple[list[_instances.InstanceRecord], list[_instances.Instanc
                   "--json has the full URLs.")
 @error_boundary
 def ps(as_json: bool = typer.Option(False, "--json", help="print one JSON document on stdout")) -> None:
-    from .. import _instances  # here, not at import: every vsnap command loads every command module
+    from vsnap.host import (
+        instances as _instances,  # here, not at import: every vsnap command loads every command module
+    )
 
     running, gone = _records()
     if as_json:

@@ -7,9 +7,8 @@ from typing import Optional
 
 import typer
 
-
-from . import _render
-from . import _app as app, error_boundary
+from . import _app as app
+from . import _render, error_boundary
 
 
 @app.command(help="Pull REF (REGISTRY/REPOSITORY[:TAG] or ...@sha256:DIGEST) from an OCI registry into a new "
@@ -27,7 +26,7 @@ def pull(
     jobs: Optional[int] = typer.Option(None, "--jobs", min=1, max=64, help="blobs fetched at once (default: 4)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON document on stdout"),
 ) -> None:
-    from .. import _pull  # here, not at import: every vsnap command loads every command module
+    from vsnap.registry import pull as _pull  # here, not at import: every vsnap command loads every command module
 
     progress = _render.PhaseProgress()
     try:

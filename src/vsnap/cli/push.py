@@ -7,9 +7,8 @@ from typing import Optional
 
 import typer
 
-
-from . import _render
-from . import _app as app, error_boundary
+from . import _app as app
+from . import _render, error_boundary
 
 
 @app.command(help="Push IMAGE to an OCI registry as REF (REGISTRY/REPOSITORY[:TAG]). Blobs the registry "
@@ -23,7 +22,7 @@ def push(
     jobs: Optional[int] = typer.Option(None, "--jobs", min=1, max=64, help="blobs sent at once (default: 4)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON document on stdout"),
 ) -> None:
-    from .. import _push  # here, not at import: every vsnap command loads every command module
+    from vsnap.registry import push as _push  # here, not at import: every vsnap command loads every command module
 
     progress = _render.PhaseProgress()
     try:

@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING, Any, Optional
 import typer
 
 if TYPE_CHECKING:
-    from .. import _restore
+    from vsnap.ops import restore as _restore
 
-from . import _render
-from . import _app as app, error_boundary
+from . import _app as app
+from . import _render, error_boundary
 
 
 @app.command(help="Restore IMAGE, prove it with the oracle, then serve on --host/--port. "
@@ -35,12 +35,12 @@ def restore(
                                                           "memory only, until `vsnap activate INSTANCE`"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON document on stdout"),
 ) -> None:
-    from .. import _gpu_early
+    from vsnap.host import gpu_early as _gpu_early
 
     _gpu_early.start()  # the CUDA driver starts while the restore path is imported
-    from .. import _restore  # here, not at import: every vsnap command loads every command module
-    from ..protocol.errors import EngineError
-    from .._proctree import seconds_since_start
+    from vsnap.host.proctree import seconds_since_start
+    from vsnap.ops import restore as _restore  # here, not at import: every vsnap command loads every command module
+    from vsnap.protocol.errors import EngineError
 
     started_s = seconds_since_start()  # the interpreter's start and the imports, before any phase
     progress = _render.PhaseProgress()

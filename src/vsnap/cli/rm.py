@@ -6,8 +6,8 @@ from dataclasses import asdict
 
 import typer
 
-from . import _render
-from . import _app as app, error_boundary
+from . import _app as app
+from . import _render, error_boundary
 from .images import human_size
 
 
@@ -20,7 +20,7 @@ def rm(
     image: str = typer.Argument(..., help="image directory, or NAME under /var/lib/vsnap/images"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON document on stdout"),
 ) -> None:
-    from .. import _images  # here, not at import: every vsnap command loads every command module
+    from vsnap.image import local as _images  # here, not at import: every vsnap command loads every command module
 
     removed = _images.remove_image(image)
     if as_json:

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import typer
 
-from . import _render
-from . import _app as app, error_boundary
+from . import _app as app
+from . import _render, error_boundary
 
 
 @app.command(help="Stop running restored instances: every instance of IMAGE, or the one INSTANCE id (vsnap ps). "
@@ -17,9 +17,9 @@ def stop(
     target: str = typer.Argument(..., help="image directory or instance id"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON document on stdout"),
 ) -> None:
-    from .. import _restore  # here, not at import: every vsnap command loads every command module
-    from .._instances import running_instances
-    from ..protocol.errors import NothingRunning, UnknownInstance
+    from vsnap.host.instances import running_instances
+    from vsnap.ops import restore as _restore  # here, not at import: every vsnap command loads every command module
+    from vsnap.protocol.errors import NothingRunning, UnknownInstance
     running = running_instances()
     if not running:
         raise NothingRunning(f"no vsnap instance is running (nothing to stop for {target})")

@@ -11,10 +11,10 @@ from rich.table import Table
 from rich.text import Text
 
 if TYPE_CHECKING:
-    from .._host import Check
+    from vsnap.host.facts import Check
 
-from . import _render
-from . import _app as app, error_boundary
+from . import _app as app
+from . import _render, error_boundary
 
 
 def detail(check: Check) -> str:
@@ -32,7 +32,9 @@ def validate(
     target: Optional[Path] = typer.Argument(None, help="a model.yaml or an image directory"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON document on stdout"),
 ) -> None:
-    from .._validate import validate_target  # here, not at import: every vsnap command loads every command module
+    from vsnap.ops.validate import (
+        validate_target,  # here, not at import: every vsnap command loads every command module
+    )
 
     report = validate_target(target)
     if as_json:

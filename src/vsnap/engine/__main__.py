@@ -17,7 +17,7 @@ import time
 import traceback
 from pathlib import Path
 
-from ..protocol.control import ENGINE_LOG
+from vsnap.protocol.control import ENGINE_LOG
 
 
 def _reopen_stdio(log_path: Path) -> None:
@@ -75,7 +75,7 @@ def reap_orphans_once(seen: dict[int, float], now: float, own: set[int]) -> list
 def _block_io_uring_if_asked(control_dir: Path) -> bool:
     """Install the io_uring filter (engine/seccomp.py) first thing, if launch.json asks for it.
     False (after writing error.json) if it cannot be installed."""
-    from ..protocol import control
+    from vsnap.protocol import control
 
     try:
         launch = control.read_message(control_dir, control.LAUNCH, control.LaunchConfig)
@@ -106,7 +106,7 @@ def _reap_orphans() -> None:
 
 def _watch_owner(control_dir: Path) -> None:
     """Shut the tree down when the vsnap process that owns it is gone (SIGKILLed, crashed)."""
-    from ..protocol.control import owner_gone
+    from vsnap.protocol.control import owner_gone
 
     while True:
         time.sleep(1.0)
@@ -146,7 +146,7 @@ def main() -> int:
     _reopen_stdio(control_dir / ENGINE_LOG)
     if not _block_io_uring_if_asked(control_dir):
         return 1
-    from ..protocol.loopback import loopback_up
+    from vsnap.protocol.loopback import loopback_up
 
     loopback_up()  # the tree's own network namespace starts with lo down
     print(f"vsnap engine root pid {os.getpid()} starting", flush=True)

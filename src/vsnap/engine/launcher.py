@@ -12,11 +12,12 @@ import socket
 import time
 from pathlib import Path
 
-from ..protocol import control
-from ..protocol.control import Activation, LaunchConfig, Ready, Standby, Status
-from ..protocol.errors import ControlProtocolError, PhaseTimeout
-from ..protocol.oracle import compare_oracles
-from .adapters.base import make_adapter
+from vsnap.protocol import control
+from vsnap.protocol.control import Activation, LaunchConfig, Ready, Standby, Status
+from vsnap.protocol.errors import ControlProtocolError, PhaseTimeout
+from vsnap.protocol.oracle import compare_oracles
+
+from .adapters import make_adapter
 from .heap import release_heap
 
 

@@ -32,6 +32,7 @@ from typing import Any, Callable, Literal, TypeVar
 from .errors import ControlProtocolError, PhaseTimeout
 from .oracle import Oracle
 from .records import Record, RecordError, field, is_plain
+from .version import PROTOCOL_VERSION, __version__
 
 LAUNCH = "launch.json"
 READY = "ready.json"
@@ -57,20 +58,10 @@ OWNER_TIMEOUT_S = 10.0
 # clock starts elsewhere), and such a jump must not expire the wait.
 MAX_COUNTED_STEP_S = 1.0
 
-# The engine contract: the CLI and the engine code frozen inside an image must speak the same
-# version of these messages. Raise it on any change of their meaning; the manifest records it,
-# and a restore refuses an image of another version before CRIU runs.
-PROTOCOL_VERSION = 3  # 3: standby.json (a standby waits for its activation without a timeout)
 
 
 class _Message(Record):
     """A control message: frozen, and read only if it has exactly its fields (protocol.records)."""
-
-
-def _vsnap_version() -> str:
-    from .. import __version__
-
-    return __version__
 
 
 class _Versioned(_Message):
@@ -83,7 +74,7 @@ class _Versioned(_Message):
 
 def stamp() -> dict[str, Any]:
     """The version fields every versioned message carries."""
-    return {"protocol": PROTOCOL_VERSION, "vsnap": _vsnap_version()}
+    return {"protocol": PROTOCOL_VERSION, "vsnap": __version__}
 
 
 def _require_protocol(data: bytes, path: Path) -> None:
@@ -93,7 +84,7 @@ def _require_protocol(data: bytes, path: Path) -> None:
         return  # malformed: model validation says so
     if isinstance(raw, dict) and raw.get("protocol") != PROTOCOL_VERSION:
         raise ControlProtocolError(path, f"written by vsnap {raw.get('vsnap', 'older than 0.2')} (protocol "
-                                         f"{raw.get('protocol', 1)}); this side is vsnap {_vsnap_version()} "
+                                         f"{raw.get('protocol', 1)}); this side is vsnap {__version__} "
                                          f"(protocol {PROTOCOL_VERSION})")
 
 

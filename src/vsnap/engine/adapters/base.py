@@ -6,8 +6,8 @@ import abc
 import socket
 from typing import Any
 
-from ...protocol.control import Activation, LaunchConfig
-from ...protocol.oracle import Oracle
+from vsnap.protocol.control import Activation, LaunchConfig
+from vsnap.protocol.oracle import Oracle
 
 
 class EngineAdapter(abc.ABC):
@@ -40,12 +40,3 @@ class EngineAdapter(abc.ABC):
     async def shutdown(self) -> None:
         """Stop workers; idempotent."""
 
-
-def make_adapter(launch: LaunchConfig) -> EngineAdapter:
-    if launch.engine == "cpu":
-        from .cpu import CpuAdapter
-
-        return CpuAdapter(launch)
-    from .vllm import VllmAdapter
-
-    return VllmAdapter(launch)

@@ -22,10 +22,11 @@ import threading
 import time
 from typing import Any
 
-from ....protocol.control import Activation
-from ....protocol.errors import EngineError
-from ....protocol.oracle import Oracle, OracleSample
-from ..base import EngineAdapter
+from vsnap.engine.adapters.base import EngineAdapter
+from vsnap.protocol.control import Activation
+from vsnap.protocol.errors import EngineError
+from vsnap.protocol.oracle import Oracle, OracleSample
+
 from . import model as cpu_model
 from .scheduler import Scheduler
 

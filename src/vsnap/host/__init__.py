@@ -1,0 +1,14 @@
+"""This machine's mechanisms: what vsnap does to the host, below any use case.
+
+    criu/        CRIU's options (the only place its flags are written) and its runner (the only
+                 place it runs)
+    cuda         the CUDA checkpoint driver API; gpu_early starts the driver early on a thread
+    proctree     launching a tree in its own namespaces, identifying and killing its processes
+    netns, mounts, shm     namespaces, what is mounted where, each tree's /dev/shm
+    trust, paths           who may own what vsnap reads; which directories may be used
+    instances, verified    host records: running instances and captures, files already hashed
+    facts        host facts and preflight checks
+    events, cleanup        phase events and timings; resources released on every exit path
+
+Imports only vsnap.protocol.
+"""

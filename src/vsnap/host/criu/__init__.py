@@ -1,0 +1,1 @@
+"""CRIU: ``options`` turns typed options into argv, ``runner`` runs CRIU and reads its logs."""

@@ -1,0 +1,273 @@
+"""Running instances: each restore gets its own directory at the tree's control path, and a record.
+
+The tree refers to its control directory (control files, engine log, vLLM's IPC sockets) by one
+path, the spec's `snapshot.control_dir`. Inside the tree's mount namespace that path is a bind
+mount of a host directory, declared external to CRIU: the capture binds one directory there, and
+each restore binds a fresh one (`<control_dir>.instances/<id>`). So any number of restores of one
+image run at once, each with its own files, PID namespace, GPU and port.
+
+Records of instances live in RUNTIME_DIR/instances/<id>.json (`vsnap ps`, `vsnap stop`). A record
+names processes by identity (PID, start time, boot), never by PID alone: a record whose process
+ended, or whose PID now belongs to another process, is "gone": shown once as such, then pruned,
+and never signalled. A restore registers its instance as "restoring" (owned by the restoring
+vsnap process) before CRIU runs, so `vsnap stop` sees it; it turns "serving" once the oracle passed,
+or "standby" once CRIU returned (`vsnap restore --standby`; "activating" while `vsnap activate` runs).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import shutil
+import stat
+import time
+from pathlib import Path, PurePosixPath
+from typing import Literal
+
+from vsnap.protocol import control
+from vsnap.protocol.records import Record, field
+
+from .mounts import mount_roots
+from .paths import RUNTIME_DIR, require_plain_path, require_runtime_dir
+from .proctree import ProcessIdentity, identify, is_same
+from .shm import remove_instance_shm, remove_orphans, shm_dir_of
+from .trust import make_trusted_dirs
+
+PID_MAX = 1 << 22  # the kernel's pid_max can be at most 4194304
+INSTANCE_NAME = re.compile(r"(?:capture|r|cold)-[0-9a-f]{8}")  # what new_instance_dir makes
+STOP_REQUEST = "stop.request"  # written into a restoring instance's directory by `vsnap stop`
+
+
+class ProcessRef(Record):
+    """A recorded ProcessIdentity."""
+
+    pid: int = field(ge=1, le=PID_MAX)
+    start_time: int = field(ge=0, le=(1 << 63) - 1)
+    boot_id: str
+
+    @classmethod
+    def of(cls, identity: ProcessIdentity) -> "ProcessRef":
+        return cls(pid=identity.pid, start_time=identity.start_time, boot_id=identity.boot_id)
+
+    @property
+    def identity(self) -> ProcessIdentity:
+        return ProcessIdentity(self.pid, self.start_time, self.boot_id)
+
+
+def this_process() -> ProcessRef:
+    identity = identify(os.getpid())
+    assert identity is not None  # we are alive
+    return ProcessRef.of(identity)
+
+
+class InstanceRecord(Record):
+    id: str
+    image: str
+    name: str
+    # restoring -> serving; or restoring -> standby (CRIU restored, CUDA still checkpointed, no
+    # port) -> activating -> serving
+    state: Literal["restoring", "standby", "activating", "serving"]
+    owner: ProcessRef                 # the vsnap process that restores (or restored) it
+    tree: ProcessRef | None = None    # the restored tree's root, once CRIU returned
+    activator: ProcessRef | None = None  # the `vsnap activate` process, while activating
+    image_digest: str = ""            # the image's manifest, as restored (an activation checks it)
+    url: str = ""
+    port: int = field(default=0, ge=0, le=65535)
+    gpu: str | None = None
+    instance_dir: str
+    started_at: float = field(ge=0)
+
+    def _check(self) -> None:
+        """The id is one new_instance_dir made, and names the instance's directory: vsnap removes
+        files and directories by it (a record is root's, but it is still input)."""
+        if not INSTANCE_NAME.fullmatch(self.id):
+            raise ValueError("id must be an instance name (r-XXXXXXXX)")
+        require_plain_path(self.image, "image")
+        require_plain_path(self.instance_dir, "instance_dir")
+        work = PurePosixPath(self.instance_dir)
+        if work.name != self.id or not work.parent.name.endswith(".instances"):
+            raise ValueError("instance_dir must be CONTROL_DIR.instances/<id>")
+
+    @property
+    def pid(self) -> int:
+        """The tree's root PID (the owner's while there is no tree yet)."""
+        return (self.tree or self.owner).pid
+
+    @property
+    def running(self) -> bool:
+        """The processes this record names are still those processes."""
+        if self.state == "restoring":
+            return is_same(self.owner.identity) or (self.tree is not None and is_same(self.tree.identity))
+        return self.tree is not None and is_same(self.tree.identity)
+
+
+# A failed capture or restore keeps its directory (the logs its error names) this long.
+KEEP_FAILED_S = 3 * 24 * 3600
+
+
+def new_instance_dir(control_dir: Path, prefix: str) -> tuple[str, Path]:
+    """A fresh private host directory to bind at ``control_dir`` inside one tree (old directories
+    of failed runs beside it are removed on the way)."""
+    instance_id = f"{prefix}-{secrets.token_hex(4)}"
+    root = make_trusted_dirs(Path(f"{control_dir}.instances"))
+    control.ensure_private_dir(root)
+    prune_failed(root)
+    return instance_id, control.ensure_private_dir(root / instance_id)
+
+
+def prune_failed(root: Path, keep_s: float = KEEP_FAILED_S) -> list[str]:
+    """Remove instance directories untouched for ``keep_s`` that no running instance uses: only
+    what new_instance_dir made (its name, root's, private). The root is named by a manifest's
+    control_dir, which may be hostile: whatever else sits in a directory of that name stays. A
+    directory some process has bound (a live tree's control directory) stays too, whether or not a
+    record names it (one another vsnap version wrote, or one under another VSNAP_RUNTIME_DIR)."""
+    in_use = {Path(r.instance_dir).name for r in running_instances()}
+    candidates = []
+    for entry in root.iterdir():
+        try:
+            st = entry.lstat()
+        except OSError:
+            continue
+        if entry.name in in_use or not stat.S_ISDIR(st.st_mode) or time.time() - st.st_mtime < keep_s:
+            continue
+        if not INSTANCE_NAME.fullmatch(entry.name) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            continue
+        candidates.append(entry)
+    if not candidates:
+        return []
+    mounted = {PurePosixPath(r).name for r in mount_roots()}  # instance names are random: a name is enough
+    removed = []
+    for entry in candidates:
+        if entry.name not in mounted:
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry.name)
+    return removed
+
+
+def registry_dir() -> Path:
+    require_runtime_dir()
+    return control.ensure_private_dir(make_trusted_dirs(RUNTIME_DIR / "instances"))
+
+
+def register(record: InstanceRecord) -> None:
+    control.write_message(registry_dir(), f"{record.id}.json", record)
+
+
+def unregister(instance_id: str) -> None:
+    try:
+        os.unlink(registry_dir() / f"{instance_id}.json")
+    except FileNotFoundError:
+        pass
+
+
+def instance_records() -> tuple[list[InstanceRecord], list[InstanceRecord]]:
+    """(running, gone): every record, checked against the processes it names. Gone records (ended,
+    PID reused) are removed on the way; records that do not parse are skipped and kept."""
+    directory = registry_dir()
+    running, gone = [], []
+    for path in sorted(directory.glob("*.json")):
+        try:
+            record = control.read_message(directory, path.name, InstanceRecord)
+        except control.ControlProtocolError:
+            # unreadable: not acted on, and not removed either (another vsnap version on this host
+            # may have written it, for an instance it still runs and must still be able to stop)
+            continue
+        if record is None or path.name != f"{record.id}.json":  # a record under another's name: never acted on
+            continue
+        if record.running:
+            running.append(record)
+        else:
+            gone.append(record)
+            unregister(record.id)
+            remove_instance_shm(shm_dir_of(record.id))  # its instance directory stays a while (logs)
+    return running, gone
+
+
+def running_instances() -> list[InstanceRecord]:
+    """Records whose processes are still the recorded ones."""
+    return instance_records()[0]
+
+
+def stop_requested(instance_dir: Path) -> bool:
+    return os.path.lexists(instance_dir / STOP_REQUEST)
+
+
+def request_stop(record: InstanceRecord) -> None:
+    """Ask the vsnap process that is restoring this instance to give up (it checks between phases)."""
+    control.write_atomic(Path(record.instance_dir), STOP_REQUEST, b"stop\n")
+
+
+def uptime(record: InstanceRecord) -> float:
+    return time.time() - record.started_at
+
+
+class CaptureRecord(Record):
+    """A capture in progress: what to remove if its vsnap process dies without cleaning up (a
+    staging directory full of process memory, the tree's /dev/shm directory)."""
+
+    id: str
+    owner: ProcessRef
+    image: str
+    staging: str
+    shm_dir: str
+    started_at: float = field(ge=0)
+
+    def _check(self) -> None:
+        """What prune_dead_runs removes by it: the capture's own staging directory beside its
+        image and its own /dev/shm directory, nothing a record could point elsewhere."""
+        if not INSTANCE_NAME.fullmatch(self.id):
+            raise ValueError("id must be a capture name (capture-XXXXXXXX)")
+        for value, what in ((self.image, "image"), (self.staging, "staging"), (self.shm_dir, "shm_dir")):
+            require_plain_path(value, what)
+        if self.shm_dir != str(shm_dir_of(self.id)):
+            raise ValueError(f"shm_dir must be {shm_dir_of(self.id)}")
+
+
+def captures_dir() -> Path:
+    return control.ensure_private_dir(make_trusted_dirs(RUNTIME_DIR / "captures"))
+
+
+def register_capture(record: CaptureRecord) -> None:
+    control.write_message(captures_dir(), f"{record.id}.json", record)
+
+
+def unregister_capture(capture_id: str) -> None:
+    (captures_dir() / f"{capture_id}.json").unlink(missing_ok=True)
+
+
+def _remove_staging(record: CaptureRecord) -> None:
+    """A dead capture's staging directory, only if it is where and what a staging directory is."""
+    staging, image = Path(record.staging), Path(record.image)
+    if staging.parent != image.parent or not staging.name.startswith(f".{image.name}.staging-"):
+        return
+    try:
+        st = staging.lstat()
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid():
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def prune_dead_runs() -> list[str]:
+    """Remove what captures and restores whose vsnap process died left behind: staging
+    directories, /dev/shm directories, records. Returns the ids cleaned up."""
+    running, gone = instance_records()
+    cleaned = [record.id for record in gone]
+    known = {shm_dir_of(record.id).name for record in running}
+    directory = captures_dir()
+    for path in sorted(directory.glob("*.json")):
+        try:
+            record = control.read_message(directory, path.name, CaptureRecord)
+        except control.ControlProtocolError:
+            continue
+        if record is None or path.name != f"{record.id}.json":
+            continue
+        if is_same(record.owner.identity):
+            known.add(Path(record.shm_dir).name)
+            continue
+        _remove_staging(record)
+        remove_instance_shm(Path(record.shm_dir))
+        unregister_capture(record.id)
+        cleaned.append(record.id)
+    return cleaned + remove_orphans(known)

@@ -1,0 +1,507 @@
+"""capture_image(): boot the engine tree to its barrier, checkpoint it with CRIU, publish the image.
+
+Phases: preflight, launch, boot engine (to ready.json), criu dump, publish. On every exit path
+that is not success the tree is killed, the staging directory removed, and no image appears
+under the final name (an older image there stays untouched).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vsnap.host import verified
+from vsnap.host.cleanup import Cleanup
+from vsnap.host.criu.options import DumpOptions, external_mounts
+from vsnap.host.criu.runner import CriuRunner
+from vsnap.host.events import ProgressCallback, Timings
+from vsnap.host.facts import host_facts, require_host, vllm_device
+from vsnap.host.instances import (
+    CaptureRecord,
+    new_instance_dir,
+    prune_dead_runs,
+    register_capture,
+    this_process,
+    unregister_capture,
+)
+from vsnap.host.netns import NETNS_KEY, netns_inode
+from vsnap.host.paths import require_runtime_dir, require_safe_directory
+from vsnap.host.proctree import (
+    LaunchedTree,
+    is_same,
+    kill_tree,
+    launch_tree,
+    mapped_and_open_files,
+    open_device_files,
+    tree_pids,
+    wait_gone,
+)
+from vsnap.host.shm import SHM, instance_shm_dir, remove_instance_shm, tree_shm_files
+from vsnap.host.trust import copy_no_follow, make_trusted_dirs, require_trusted_ancestors, require_trusted_model
+from vsnap.image.manifest import (
+    CRIU_DIR,
+    DUMP_LOG,
+    ENGINE_LOG,
+    FORMAT_VERSION,
+    MANIFEST,
+    SHM_DIR,
+    TREE_DIRS,
+    WEIGHTS_DIR,
+    Dependency,
+    HostFacts,
+    ImageLaunch,
+    Manifest,
+)
+from vsnap.image.store import (
+    HASH_THREADS,
+    check_parent,
+    checksum_tree,
+    image_lock,
+    image_read_lock,
+    make_staging,
+    publish,
+    remove_stale_staging,
+    require_replaceable,
+    sha256_file,
+)
+from vsnap.protocol import control
+from vsnap.protocol.control import ErrorReport, LaunchConfig, Ready
+from vsnap.protocol.errors import CheckpointError, CriuError, EngineError, HostNotReady, ImageError, ProcessTreeError
+from vsnap.protocol.version import PROTOCOL_VERSION
+from vsnap.spec.schema import ModelSpec
+
+DEFAULT_MODEL_ROOT = Path("/var/lib/vsnap/models")
+CPU_MODEL_NAME = "cpu-tiny-v1"
+
+
+@dataclass(frozen=True)
+class CaptureResult:
+    image_dir: Path
+    manifest: Manifest
+    timings: dict[str, float]
+    image_bytes: int
+    engine_log: Path
+
+
+def resolve_model(spec: ModelSpec) -> Path:
+    """The model directory, checked root's alone and resolved (the real path is what the image
+    records and the engine reopens); for the cpu engine without one, vsnap writes its tiny model once."""
+    if spec.model is not None:
+        return require_trusted_model(Path(spec.model))
+    directory = DEFAULT_MODEL_ROOT / CPU_MODEL_NAME
+    if (directory / "config.json").is_file() and (directory / "model.safetensors").is_file():
+        return directory
+    from vsnap.engine.adapters.cpu import model as cpu_model  # imports torch: only when the model must be written
+
+    return cpu_model.write_model(directory)
+
+
+def launch_config(spec: ModelSpec, model_dir: Path) -> LaunchConfig:
+    return LaunchConfig(
+        engine=spec.engine, model=str(model_dir), served_model_name=spec.served_model_name,
+        serve_args=dict(spec.serve), oracle_prompts=list(spec.oracle.prompts),
+        oracle_max_tokens=spec.oracle.max_tokens, oracle_top_k=spec.oracle.top_k,
+        oracle_tolerance=spec.oracle.tolerance, timeout_s=spec.snapshot.timeout_s,
+        # the GPU path still relies on kernel.io_uring_disabled=2 (checked in preflight) until the
+        # filter has been measured there; every CPU tree (the cpu engine, vLLM's CPU backend) gets it
+        block_io_uring=spec.engine == "cpu" or vllm_device() == "cpu", **control.stamp(),
+    )
+
+
+VLLM_CACHE_ROOT = "/var/cache/vsnap/vllm"
+# directories of a vLLM tree's control directory (each instance has its own): vLLM's IPC sockets, TMPDIR
+
+
+def tree_environment(control_dir: Path, instance_dir: Path, engine: str = "cpu") -> dict[str, str]:
+    """The tree's environment: the caller's, plus what makes it checkpointable (set by vsnap, not the user).
+
+    ``control_dir`` is the path the tree sees; ``instance_dir`` the host directory bound there.
+    """
+    env = dict(os.environ)
+    env.update({"PYTHONUNBUFFERED": "1", "VSNAP_CONTROL_DIR": str(control_dir),
+                "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    if engine == "cpu":
+        env["OMP_NUM_THREADS"] = "1"
+    else:
+        for name in TREE_DIRS:
+            (instance_dir / name).mkdir(mode=0o700, exist_ok=True)
+        if vllm_device() == "cpu":  # not yet run on the GPU path, which keeps io_uring out by sysctl
+            env.update({
+                "TMPDIR": str(control_dir / "tmp"),  # per instance: vLLM's FileStore and the like never collide
+                "USE_LIBUV": "0",  # torch's TCP rendezvous without libuv (which would make an io_uring)
+            })
+        env.update({
+            "VLLM_WORKER_MULTIPROC_METHOD": "spawn",  # fork would copy a CUDA context
+            "VLLM_HOST_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+            "VLLM_RPC_BASE_PATH": str(control_dir / "rpc"),  # IPC sockets in the per-instance directory
+            "NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo",
+            "TORCH_NCCL_ENABLE_MONITORING": "0",
+            "UV_USE_IO_URING": "0",  # CRIU cannot dump io_uring
+        })
+        env.setdefault("VLLM_CACHE_ROOT", VLLM_CACHE_ROOT)  # compile cache survives between captures
+    src = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def wait_ready(tree: LaunchedTree, control_dir: Path, timeout_s: float) -> Ready:
+    log = control_dir / control.ENGINE_LOG
+
+    def probe() -> Ready | None:
+        ready = control.read_message(control_dir, control.READY, Ready)
+        if ready is not None:
+            return ready
+        report = control.read_message(control_dir, control.ERROR, ErrorReport)
+        if report is not None:
+            raise EngineError(report.phase, report.type, report.message, log_path=log)
+        if tree.unshare.poll() is not None:
+            raise EngineError("boot engine", "EngineExited",
+                              f"the engine tree exited with code {tree.unshare.returncode} before it was ready",
+                              log_path=log)
+        return None
+
+    return control.wait_until(probe, timeout_s=timeout_s, phase="boot engine", interval_s=0.05, log_path=log)
+
+
+def _dependencies(pids: list[int], model_dir: Path, control_dir: Path) -> list[Dependency]:
+    """Every host file the tree has mapped or open, and the model's files (reloaded at recover),
+    with size and sha256: what another host must have, byte for byte, to restore this image."""
+    paths = {p for p in mapped_and_open_files(pids) if not p.startswith(str(control_dir) + "/")}
+    paths |= {str(p) for p in model_dir.rglob("*") if p.is_file()}
+    ordered = sorted(paths)
+    statted_at = time.time_ns()
+    before = {path: os.stat(path) for path in ordered}
+    with ThreadPoolExecutor(max_workers=HASH_THREADS) as pool:
+        digests = list(pool.map(lambda path: sha256_file(Path(path)), ordered))
+    # a restore on this host compares the sha256 of each without reading it again (_verified)
+    verified.remember_dependencies({path: (before[path], digest) for path, digest in zip(ordered, digests)},
+                                   statted_at_ns=statted_at)
+    return [Dependency(path=path, size=before[path].st_size, sha256=digest) for path, digest in zip(ordered, digests)]
+
+
+def process_memory(pid: int, top: int = 6) -> dict[str, Any]:
+    """A process's command, anonymous memory (about what CRIU writes into its pages-*.img) and its
+    largest anonymous mappings (to see what fills an image)."""
+    anonymous, mappings, header = 0, [], ""
+    try:
+        with open(f"/proc/{pid}/smaps") as f:
+            for line in f:
+                if line[:1] in "0123456789abcdef" and "-" in line.split(" ", 1)[0]:
+                    header = line
+                elif line.startswith("Anonymous:"):
+                    size = int(line.split()[1]) * 1024
+                    anonymous += size
+                    if size:
+                        fields = header.split()
+                        mappings.append({"bytes": size, "perms": fields[1] if len(fields) > 1 else "?",
+                                         "name": fields[5] if len(fields) > 5 else "[anon]"})
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:200]
+    except OSError:
+        return {"pid": pid, "command": "?", "anonymous_bytes": 0, "largest_mappings": []}
+    mappings.sort(key=lambda m: -m["bytes"])
+    return {"pid": pid, "command": command, "anonymous_bytes": anonymous, "mappings": len(mappings),
+            "largest_mappings": mappings[:top]}
+
+
+def free_bytes(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def require_space(staging: Path, processes: list[dict[str, Any]]) -> None:
+    """Refuse before dumping when the image cannot fit on its disk."""
+    need, free = sum(int(p["anonymous_bytes"]) for p in processes), free_bytes(staging)
+    if need > free:
+        raise CheckpointError(
+            f"not enough space for the image on the disk holding {staging.parent}: "
+            f"about {need / 1e6:.0f} MB needed, {free / 1e6:.0f} MB free",
+            phase="criu dump", hint="free space there, or capture with --image on another disk")
+
+
+def dump_failure(error: CriuError, staging: Path, control_dir: Path) -> CheckpointError:
+    """Keep the dump log outside the staging directory (which is removed) and name a full disk."""
+    kept = control_dir / "dump-failed.log"
+    try:
+        shutil.copyfile(staging / DUMP_LOG, kept)
+        error.log_path = str(kept)
+    except OSError:
+        pass
+    if free_bytes(staging) < 16 << 20:
+        return CheckpointError(f"the disk holding {staging.parent} filled up while CRIU wrote the image "
+                               f"({free_bytes(staging) / 1e6:.0f} MB free)", phase="criu dump",
+                               hint="free space there, or capture with --image on another disk",
+                               log_path=error.log_path)
+    return error
+
+
+# What a tree parked at its barrier may have in its control directory: what vsnap wrote (the
+# launch file, the owner heartbeat and its temp files) and what the engine writes before the
+# barrier (ready.json, its log, vLLM's IPC sockets under rpc/). Anything else (an activation,
+# a status, an error, a file of unknown origin) means the tree may have gone past its barrier.
+PARKED_FILES = frozenset({control.LAUNCH, control.READY, control.OWNER, control.ENGINE_LOG})
+PARKED_DIRS = frozenset(TREE_DIRS)
+
+
+def require_parked(tree: LaunchedTree, work: Path, ready: Ready) -> None:
+    """The tree is still the one launched, alive, and parked at its barrier (see PARKED_FILES)."""
+    log = work / control.ENGINE_LOG
+    if not is_same(tree.identity):
+        raise ProcessTreeError(tree.root_pid, "the engine tree exited at its capture barrier", phase="criu dump",
+                               log_path=log)
+    require_parked_files(work)
+    if control.read_message(work, control.READY, Ready) != ready:
+        raise CheckpointError(f"{work / control.READY} changed after the tree reached its barrier", phase="criu dump",
+                              hint="capture again; nothing was published", log_path=log)
+
+
+def capture_image(spec: ModelSpec, *, image_dir: Path | None = None, force: bool = False,
+                  env: dict[str, str] | None = None, on_event: ProgressCallback | None = None) -> CaptureResult:
+    """Boot ``spec``'s engine, checkpoint it at the barrier and publish the image (``env``: more
+    environment for the tree, e.g. a compile cache).
+
+    What may stand at the image path is checked before the boot (nothing, or with ``force`` a
+    vsnap image: never a link or an ordinary directory). Every resource is released on every exit
+    path (_cleanup): the tree, the staging directory, the tree's /dev/shm directory, the record.
+    """
+    extra_env = env
+    image_dir = Path(image_dir or spec.image_dir).absolute()
+    control_dir = spec.control_dir
+    timings = Timings(on_event)
+    with timings.phase("preflight"):
+        require_runtime_dir()
+        require_safe_directory(str(image_dir), "the image")
+        require_host(spec.engine)
+        runner = CriuRunner.locate()
+        check_parent(image_dir)
+        require_trusted_ancestors(control_dir)
+        require_replaceable(image_dir, force)
+        if spec.model is not None:
+            require_trusted_model(Path(spec.model))  # before the boot; resolve_model checks again
+        if spec.engine == "vllm":
+            from vsnap.spec.vllm_check import require_supported_args
+
+            require_supported_args(spec)
+    prune_dead_runs()
+    with image_lock(image_dir), Cleanup() as cleanup:
+        require_replaceable(image_dir, force)  # again, now that we hold the lock
+        remove_stale_staging(image_dir)
+        with timings.phase("prepare model"):
+            model_dir = resolve_model(spec)
+        control.ensure_private_dir(make_trusted_dirs(control_dir))  # the mount point inside the tree
+        instance_id, work = new_instance_dir(control_dir, "capture")  # bound there: this capture's files
+        cleanup.on_success(shutil.rmtree, work, True)  # a failed capture keeps it: the logs its error names
+        shm_dir = instance_shm_dir(instance_id)  # bound at /dev/shm in the tree
+        cleanup.on_exit(remove_instance_shm, shm_dir)
+        staging = make_staging(image_dir)
+        cleanup.on_failure(shutil.rmtree, staging, True)
+        register_capture(CaptureRecord(id=instance_id, owner=this_process(), image=str(image_dir),
+                                       staging=str(staging), shm_dir=str(shm_dir), started_at=time.time()))
+        cleanup.on_exit(unregister_capture, instance_id)
+        launch = launch_config(spec, model_dir)
+        if spec.engine == "vllm" and spec.snapshot.weights == "image" and vllm_device() == "cuda":  # the engine writes it
+            launch = launch.model_copy(update={"weights_dir": str(staging / WEIGHTS_DIR)})
+        control.write_message(work, control.LAUNCH, launch)
+        env = {**tree_environment(control_dir, work, spec.engine), **(extra_env or {})}
+        cuda = spec.engine == "vllm" and vllm_device() == "cuda"
+        tp = tensor_parallel_size(spec)
+        if cuda:
+            env.setdefault("CUDA_VISIBLE_DEVICES", ",".join(capture_gpu_uuids(tp)))
+            require_visible_gpus(env["CUDA_VISIBLE_DEVICES"], tp)
+        heartbeat = control.OwnerHeartbeat(work).start()
+        cleanup.on_exit(heartbeat.stop)
+        with timings.phase("launch"):
+            tree = launch_tree(control_dir, work, shm_dir, env,
+                               adopt=lambda launched: cleanup.on_failure(end_launched_tree, launched))
+        with timings.phase("boot engine"):
+            ready = wait_ready(tree, work, spec.snapshot.timeout_s)
+        pids = tree_pids(tree.root_pid)
+        dependencies = _dependencies(pids, model_dir, control_dir)
+        with open(f"/proc/{tree.root_pid}/mountinfo") as f:
+            externals = external_mounts(f.read())
+        control_key = next((k for k, mountpoint in externals.items() if mountpoint == str(control_dir)), None)
+        shm_key = next((k for k, mountpoint in externals.items() if mountpoint == str(SHM)), None)
+        if control_key is None or shm_key is None:
+            raise ProcessTreeError(tree.root_pid, f"the tree lacks its mounts at {control_dir} and {SHM}",
+                                   phase="boot engine", log_path=work / control.ENGINE_LOG)
+        facts = host_facts(spec.engine, visible=recorded_visible(env))
+        gpu_uuids = [str(g["uuid"]) for g in facts.gpus[:tp]] if cuda else []  # rank order
+        if cuda and len(gpu_uuids) < tp:
+            raise HostNotReady("gpu", f"CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES'][:200]!r}: vsnap finds "
+                                      f"{len(gpu_uuids)} of the {tp} GPU(s) the ranks run on by UUID or index",
+                               hint="name the GPUs by UUID (nvidia-smi -L), or unset it (vsnap takes the first)")
+        if cuda:
+            require_one_gpu_model(facts.gpus[:tp])
+        (staging / CRIU_DIR).mkdir()
+        (staging / "logs").mkdir()
+        cuda_pids: list[int] = []
+        gpu_bytes: dict[int, int] = {}
+        require_parked(tree, work, ready)
+        if cuda:
+            from vsnap.host.cuda import CudaCheckpoint, gpu_memory_by_pid
+
+            gpu_bytes = gpu_memory_by_pid()  # what each process's CUDA checkpoint will move
+            with timings.phase("cuda checkpoint"):
+                cuda = CudaCheckpoint()
+                cuda_pids = cuda.cuda_pids(pids)
+                cuda.checkpoint(cuda_pids)
+                require_no_gpu_files(pids, work)
+        processes = [{**process_memory(pid), **({"gpu_bytes": gpu_bytes[pid]} if pid in gpu_bytes else {})}
+                     for pid in pids]  # after the CUDA checkpoint: what CRIU writes
+        with timings.phase("criu dump"):
+            require_space(staging, processes)
+            require_parked(tree, work, ready)
+            try:
+                runner.dump(DumpOptions(pid=tree.root_pid, images_dir=staging / CRIU_DIR,
+                                        log_file=staging / DUMP_LOG, externals=externals,
+                                        external_netns=(netns_inode(tree.root_pid), NETNS_KEY)))
+            except CriuError as error:
+                raise dump_failure(error, staging, work) from None
+            left = wait_gone(pids, 30)
+            if left:
+                raise ImageError(f"processes {left} of the tree survived the dump")
+            tree.unshare.wait(timeout=30)
+            # what the image holds is the tree as it was at the dump: nothing may have reached
+            # its control directory until then (an activation read just before the freeze)
+            require_parked_files(work)
+        shm_files = tree_shm_files(shm_dir)
+        if shm_files:
+            (staging / SHM_DIR).mkdir()
+            for name in shm_files:  # sparse copies: vLLM's shared-memory rings are mostly holes
+                copy_no_follow(shm_dir / name, staging / SHM_DIR / name)
+                os.unlink(shm_dir / name)
+        shutil.copy2(work / control.ENGINE_LOG, staging / ENGINE_LOG)
+        with timings.phase("publish"):
+            files = checksum_tree(staging)
+            image_bytes = sum(entry.size for entry in files.values())
+            manifest = Manifest(
+                format_version=FORMAT_VERSION, protocol_version=PROTOCOL_VERSION,
+                vsnap_version=facts.vsnap,
+                created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                name=spec.name, engine=spec.engine, spec=spec.model_dump(mode="json"),
+                launch=ImageLaunch.of(launch),
+                control_dir=str(control_dir), control_mount_key=control_key, shm_mount_key=shm_key,
+                netns_key=NETNS_KEY, oracle=ready.oracle, host=facts,
+                externals=externals, shm_files=shm_files, cuda_processes=len(cuda_pids),
+                tensor_parallel_size=tp, gpu_uuids=gpu_uuids,
+                gpu_memory_required=gpu_memory_required(spec, facts), dependencies=dependencies,
+                timings={**timings.seconds, "engine_boot_to_ready": ready.times.get("prepared", 0)
+                         - ready.times.get("start", 0)},
+                sizes={"image_bytes": image_bytes,
+                       "criu_bytes": sum(e.size for k, e in files.items() if k.startswith(CRIU_DIR + "/"))},
+                files=files, processes=processes,
+            )
+            control.write_atomic(staging, MANIFEST, manifest.model_dump_json(indent=2).encode())
+            with image_read_lock(image_dir, exclusive=True):  # no restore is reading the old image
+                publish(staging, image_dir)
+            # just hashed: the first restore need not hash the files again
+            verified.remember(image_dir, {rel: (os.lstat(image_dir / rel), entry.digest)
+                                          for rel, entry in files.items()})
+    return CaptureResult(image_dir, manifest, dict(timings.seconds), image_bytes, image_dir / ENGINE_LOG)
+
+
+def require_parked_files(work: Path) -> None:
+    """Nothing in the control directory but what a parked tree has (checked before the CUDA
+    checkpoint, before the dump and after it: the image holds the tree as it was at the freeze)."""
+    for entry in sorted(os.scandir(work), key=lambda e: e.name):
+        parked = (entry.name in PARKED_FILES and entry.is_file(follow_symlinks=False)) or \
+            (entry.name in PARKED_DIRS and entry.is_dir(follow_symlinks=False)) or \
+            (entry.name.startswith(f".{control.OWNER}.") and entry.name.endswith(".tmp"))  # a heartbeat write
+        if not parked:
+            raise CheckpointError(
+                f"{entry.path} appeared in the capturing tree's control directory; only vsnap writes there, and the "
+                "tree may have gone past its barrier", phase="criu dump", log_path=work / control.ENGINE_LOG,
+                hint="capture again, and let nothing else write into the control directory; nothing was published")
+
+
+def end_launched_tree(tree: LaunchedTree) -> None:
+    """Kill a launched tree and its `unshare` parent; bounded waits."""
+    try:
+        kill_tree(tree.identity)
+    finally:
+        if tree.unshare.poll() is None:
+            tree.unshare.kill()
+        tree.unshare.wait(timeout=30)
+
+
+def tensor_parallel_size(spec: ModelSpec) -> int:
+    """How many GPUs (worker processes) the spec's engine runs on."""
+    if spec.engine != "vllm":
+        return 1
+    from vsnap.engine.adapters.vllm.rules import tensor_parallel_size as of_serve
+
+    return max(of_serve(dict(spec.serve)), 1)
+
+
+def capture_gpu_uuids(tp: int = 1) -> list[str]:
+    """The GPUs a vLLM capture runs on when CUDA_VISIBLE_DEVICES does not say: the first ``tp``,
+    in CUDA ordinal order (rank r on the r-th)."""
+    from vsnap.host.cuda import gpu_facts
+
+    _, _, gpus = gpu_facts()
+    if not gpus:
+        raise HostNotReady("gpu", "no CUDA GPU is visible", hint="check nvidia-smi")
+    if len(gpus) < tp:
+        raise HostNotReady("gpu", f"tensor_parallel_size {tp} needs {tp} GPUs; this host has {len(gpus)}",
+                           required=f"{tp} GPUs", found=str(len(gpus)),
+                           hint="capture on a host with enough GPUs, or lower tensor_parallel_size")
+    require_one_gpu_model(gpus[:tp])
+    return [str(g["uuid"]) for g in gpus[:tp]]
+
+
+def require_one_gpu_model(gpus: list[dict]) -> None:
+    """The ranks' GPUs are all one model: a restore checks every rank's GPU against the captured
+    model (the manifest's first GPU), and vLLM sizes the KV cache of every rank alike."""
+    names = list(dict.fromkeys(str(g.get("name")) for g in gpus))
+    if len(names) > 1:
+        raise HostNotReady("gpu", f"the ranks' GPUs are of different models ({', '.join(names)})",
+                           hint="give every rank a GPU of one model (CUDA_VISIBLE_DEVICES with their UUIDs)")
+
+
+def require_visible_gpus(visible: str, tp: int) -> None:
+    """CUDA_VISIBLE_DEVICES (the caller's, when it gave one) names at least one GPU per rank."""
+    named = [v for v in visible.split(",") if v.strip()]
+    if len(named) < tp:
+        raise HostNotReady("gpu", f"CUDA_VISIBLE_DEVICES={visible!r} names {len(named)} GPU(s); tensor_parallel_size "
+                                  f"{tp} needs {tp}", required=f"{tp} GPUs", found=str(len(named)),
+                           hint="name one GPU per rank in CUDA_VISIBLE_DEVICES, or unset it (vsnap takes the first)")
+
+
+def recorded_visible(env: dict[str, str]) -> str | None:
+    """The CUDA_VISIBLE_DEVICES value host_facts picks the tree's GPUs by: none when vsnap itself
+    runs under the same value (the caller's), since its own CUDA enumeration is then exactly the
+    tree's, in the tree's order, while an index in the value counts the host's GPUs, not vsnap's
+    (CUDA_VISIBLE_DEVICES=1,0 on a two-GPU host would record rank 0 on GPU 0)."""
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    return None if visible == os.environ.get("CUDA_VISIBLE_DEVICES") else visible
+
+
+def require_no_gpu_files(pids: list[int], work: Path) -> None:
+    """After the CUDA checkpoint no process of the tree may hold a GPU device file open: CRIU cannot
+    dump one, and would fail with a less clear error (NVML, which NCCL opens, is the likely holder)."""
+    held = open_device_files(pids)
+    if held:
+        pid, files = next(iter(sorted(held.items())))
+        command = process_memory(pid, top=0)["command"] or "?"
+        others = f" (and {len(held) - 1} more processes)" if len(held) > 1 else ""
+        raise ProcessTreeError(pid, f"{', '.join(files)} still open after the CUDA checkpoint in pid {pid} "
+                                    f"({command[:80]}){others}: CRIU cannot dump a GPU device file",
+                               phase="cuda checkpoint",
+                               log_path=work / control.ENGINE_LOG,
+                               hint="NVML or a CUDA context the checkpoint does not cover holds it; see "
+                                    "docs/troubleshooting.md (GPU device file still open); nothing was published")
+
+
+def gpu_memory_required(spec: ModelSpec, facts: HostFacts) -> int | None:
+    """GPU memory a restore needs free: vLLM takes gpu_memory_utilization of the GPU once awake."""
+    if spec.engine != "vllm" or not facts.gpus:
+        return None
+    return int(float(spec.serve.get("gpu_memory_utilization", 0.9)) * int(facts.gpus[0]["memory_bytes"]))
+
+

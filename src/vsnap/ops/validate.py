@@ -1,0 +1,108 @@
+"""validate_target(): will this host capture this spec, or restore this image? Every check, each verdict."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from vsnap.host.facts import Check, preflight, run_check
+from vsnap.host.trust import require_trusted_ancestors, require_trusted_model, require_trusted_tree
+from vsnap.host.verified import VERIFIED_DIR
+from vsnap.image.compat import host_differences
+from vsnap.image.manifest import MANIFEST, read_manifest
+from vsnap.image.store import verify_files
+from vsnap.protocol.errors import ImageHostMismatch, VsnapError
+from vsnap.spec.schema import load_spec
+
+
+@dataclass
+class ValidationReport:
+    target: str | None
+    kind: str  # "host", "spec" or "image"
+    checks: list[Check] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(check.ok for check in self.checks)
+
+    @property
+    def first_error(self) -> VsnapError | None:
+        return next((c.error for c in self.checks if c.error is not None), None)
+
+
+def validate_target(target: Path | None) -> ValidationReport:
+    if target is None:
+        return ValidationReport(None, "host", preflight(None))
+    if _looks_like_image(target):
+        return _validate_image(target)
+    return _validate_spec(target)
+
+
+def _looks_like_image(target: Path) -> bool:
+    """A directory (or a path with a manifest) is an image; anything else, even a path that cannot
+    be looked at (too long, no permission), is read as a spec, whose loader says what is wrong."""
+    try:
+        return target.is_dir() or (target / MANIFEST).exists()
+    except OSError:
+        return False
+
+
+def _validate_spec(path: Path) -> ValidationReport:
+    report = ValidationReport(str(path), "spec")
+    try:
+        spec = load_spec(path)
+    except VsnapError as exc:
+        report.checks.append(Check("spec", False, exc.message, exc))
+        return report
+    report.checks.append(Check("spec", True, f"{spec.name}: engine {spec.engine}, image {spec.image_dir}"))
+    report.checks.extend(preflight(spec.engine))
+    if spec.engine == "vllm":
+        from vsnap.spec.vllm_check import require_supported_args
+
+        report.checks.append(run_check("vllm arguments", lambda: require_supported_args(spec, str(path))))
+    report.checks.append(run_check("image directory", lambda: (
+        require_trusted_ancestors(spec.image_dir), f"{spec.image_dir.parent} is root's alone (or will be made so)")[1]))
+    if spec.model is not None:
+        report.checks.append(run_check("model", lambda: (
+            require_trusted_model(Path(spec.model)), f"{spec.model} is root's alone")[1]))  # type: ignore[arg-type]
+    report.checks.append(run_check("control directory", lambda: (
+        require_trusted_ancestors(spec.control_dir), f"{spec.control_dir.parent} is root's alone (or will be made so)")[1]))
+    return report
+
+
+def _validate_image(image_dir: Path) -> ValidationReport:
+    """Trust first: nothing an untrusted image names (its manifest, its dependencies) is read."""
+    report = ValidationReport(str(image_dir), "image")
+    trust = run_check("trust", lambda: (require_trusted_tree(image_dir.absolute()),
+                                        "the image and its parents are root's alone")[1])
+    report.checks.append(trust)
+    if not trust.ok:
+        return report
+    try:
+        manifest = read_manifest(image_dir)
+    except VsnapError as exc:
+        report.checks.append(Check("manifest", False, exc.message, exc))
+        return report
+    report.checks.append(Check("manifest", True, f"{manifest.name}: engine {manifest.engine}, "
+                                                 f"captured {manifest.created_at} on {manifest.host.hostname}"))
+    # every file hashed; the result is remembered, so a restore right after need not hash again
+    files = run_check("image files", lambda: (
+        verify_files(image_dir, manifest, cache_root=VERIFIED_DIR, rehash=True),
+        f"{len(manifest.files)} files match their digests")[1])
+    report.checks.append(files)
+    if not files.ok:
+        return report  # an altered manifest's dependency paths are not read either
+
+    # every dependency hashed, and remembered: a restore right after need not read them again
+    differences = host_differences(manifest, hash_files=True, cache_root=VERIFIED_DIR, rehash=True)
+    fatal = [d for d in differences if d.fatal]
+    if fatal:
+        error = ImageHostMismatch([d.triple for d in fatal])
+        report.checks.append(Check("host match", False, error.message, error))
+    else:
+        report.checks.append(Check("host match", True, f"python {manifest.host.python}, torch {manifest.host.torch}, "
+                                                       f"{len(manifest.dependencies)} files unchanged"))
+    report.checks += [Check(f"host {d.fact}", True, f"{d.line}: not refused ({d.why})", warning=True)
+                      for d in differences if not d.fatal]
+    report.checks.extend(c for c in preflight(None) if c.name != "unshare")
+    return report

@@ -1,0 +1,287 @@
+"""pull_image(): fetch vsnap's artifact from an OCI registry into a new image directory.
+
+Phases: preflight (the target path as a capture checks it, its parent root's, the image lock),
+connect, fetch manifest (the OCI manifest, bounded and checked, then its config blob: the image's
+manifest.json, read and version-checked as a local one, its paths checked, matched to the layers,
+the sizes checked against free disk), download blobs (in parallel, each checked as it is written:
+_blobio), verify (the trust model and every file against manifest.json, as a restore does),
+publish (one rename).
+
+Everything is written into a private staging directory beside the target,
+``.NAME.pull-<first 16 hex digits of the manifest digest>``: a blob in flight lives under its
+``.incoming/`` and is renamed to its file's path only once its digests matched. Nothing appears
+under the final name before the publish; an interrupted pull leaves the staging directory, and
+the next pull of the same manifest to the same path keeps each file it finds there that is still
+the one that was checked (_verified's record, else hashed again) and fetches the rest.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from vsnap.host import verified
+from vsnap.host.events import ProgressCallback, Timings, failpoint
+from vsnap.host.paths import DEFAULT_IMAGE_ROOT, require_safe_directory
+from vsnap.image.manifest import MANIFEST, FileEntry, Manifest, read_manifest
+from vsnap.image.origin import record_origin
+from vsnap.image.store import (
+    check_parent,
+    image_lock,
+    image_read_lock,
+    leftovers,
+    piece_hashes,
+    publish,
+    require_replaceable,
+    require_trust,
+    verify_files,
+)
+from vsnap.protocol.control import write_atomic
+from vsnap.protocol.errors import ArtifactError, HostNotReady, ImageUntrusted
+
+from .blobio import checking, parallel, write_blob
+from .client import RegistryClient, per_thread_clients
+from .oci import (
+    ALTERED_HINT,
+    INCOMING,
+    MAX_OCI_MANIFEST_BYTES,
+    OCI_MANIFEST,
+    Artifact,
+    Layer,
+    Reference,
+    match_manifest,
+    parse_artifact,
+    parse_reference,
+    sha256_digest,
+)
+
+DEFAULT_JOBS = 4
+SPACE_MARGIN = 64 << 20
+
+
+@dataclass(frozen=True)
+class PullResult:
+    image_dir: Path
+    reference: str          # REGISTRY/REPOSITORY[:TAG]@sha256:... : what was pulled, pinned
+    digest: str
+    files: int
+    downloaded: int         # blobs fetched now
+    reused: int             # files an interrupted pull had already fetched and checked
+    bytes_received: int     # blob bytes fetched now (compressed where a layer is)
+    image_bytes: int
+    staging: Path
+    timings: dict[str, float]
+
+
+def default_image_dir(reference: Reference) -> Path:
+    return Path(DEFAULT_IMAGE_ROOT) / reference.name
+
+
+def staging_dir(image_dir: Path, digest: str) -> Path:
+    return image_dir.parent / f".{image_dir.name}.pull-{digest.removeprefix('sha256:')[:16]}"
+
+
+def _is_ours(path: Path) -> bool:
+    """A directory vsnap made: real, root's, private (mkdir 0700)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077
+
+
+def make_or_adopt_staging(image_dir: Path, digest: str) -> Path:
+    """This pull's staging directory: made private, or the one an interrupted pull of the same
+    manifest left (only if vsnap made it); other pulls' leftovers for this path are removed."""
+    staging = staging_dir(image_dir, digest)
+    for leftover in leftovers(image_dir, r"\.pull-[0-9a-f]{16}"):  # NAME literally, never as a glob
+        if leftover != staging and _is_ours(leftover):
+            shutil.rmtree(leftover, ignore_errors=True)
+            verified.forget(leftover)
+    try:
+        os.mkdir(staging, 0o700)
+    except FileExistsError:
+        if not _is_ours(staging):
+            raise ImageUntrusted(staging, "stands where vsnap stages this pull and is not a private directory of "
+                                          "root's that vsnap made", hint=f"remove {staging} yourself if it is yours "
+                                                                          "to delete, or pull --to another path")
+    return staging
+
+
+def pull_image(reference: str | Reference, *, to: Path | None = None, force: bool = False, insecure: bool = False,
+               jobs: int = DEFAULT_JOBS, on_event: ProgressCallback | None = None) -> PullResult:
+    """Pull ``reference`` into ``to`` (default /var/lib/vsnap/images/<repository's last part>)."""
+    ref = parse_reference(reference) if isinstance(reference, str) else reference
+    image_dir = Path(to or default_image_dir(ref)).absolute()
+    timings = Timings(on_event)
+    with timings.phase("preflight"):
+        require_safe_directory(str(image_dir), "the image")
+        check_parent(image_dir)
+        require_replaceable(image_dir, force)
+    with image_lock(image_dir):  # one capture or pull per image path
+        require_replaceable(image_dir, force)
+        with timings.phase("connect"):
+            client = per_thread_clients(ref, insecure=insecure)
+            client()
+        with timings.phase("fetch manifest"):
+            artifact, manifest, staging = _fetch_manifest(client(), ref, image_dir)
+        with timings.phase("download blobs"):
+            fetched = _Downloads(staging, manifest, artifact)
+            fetched.run(client, jobs)
+        with timings.phase("verify"):
+            verify_files(staging, manifest, cache_root=verified.VERIFIED_DIR)  # the trust model, every file
+        with timings.phase("publish"):
+            with image_read_lock(image_dir, exclusive=True):  # no restore is reading an older image there
+                publish(staging, image_dir)
+            verified.remember(image_dir, {rel: (os.lstat(image_dir / rel), entry.digest)
+                                          for rel, entry in manifest.files.items()})
+            verified.forget(staging)
+            record_origin(image_dir, str(artifact.reference))  # `vsnap images`: where it came from
+    return PullResult(image_dir, str(artifact.reference), artifact.reference.digest or "", len(manifest.files),
+                      fetched.downloaded, fetched.reused, fetched.bytes_received,
+                      sum(e.size for e in manifest.files.values()), staging, dict(timings.seconds))
+
+
+def _fetch_manifest(client: RegistryClient, ref: Reference, image_dir: Path) -> tuple[Artifact, Manifest, Path]:
+    """The OCI manifest and manifest.json, every check that needs no payload; the staging dir."""
+    data, content_type = client.get_manifest(MAX_OCI_MANIFEST_BYTES)
+    if content_type and content_type != OCI_MANIFEST:
+        raise ArtifactError(str(ref), f"{ref} is not an OCI image manifest (Content-Type {content_type[:80]})",
+                            hint="is REF an image pushed by `vsnap push`?")
+    artifact = parse_artifact(data, ref)
+    config = client.read_blob(artifact.config_digest, artifact.config_size)
+    if len(config) != artifact.config_size or sha256_digest(config) != artifact.config_digest:
+        raise ArtifactError(str(ref), f"{ref}: its manifest.json blob does not match its digest",
+                            file=MANIFEST, hint="the registry's copy was altered or damaged; push the image again")
+    staging = make_or_adopt_staging(image_dir, artifact.reference.digest or "")
+    write_atomic(staging, MANIFEST, config)
+    manifest = read_manifest(staging)  # the format and engine protocol versions, the schema
+    require_trust(staging, manifest)   # every path inside the image, shm names plain
+    require_safe_directory(manifest.control_dir, "the manifest's control_dir")  # as a restore will, before 20 GB
+    match_manifest(artifact, manifest)
+    need = sum(entry.size for rel, entry in manifest.files.items() if not os.path.lexists(staging / rel))
+    st = os.statvfs(staging)
+    free = st.f_bavail * st.f_frsize
+    if need + SPACE_MARGIN > free:
+        raise HostNotReady("disk", f"not enough space to pull {ref} into {image_dir.parent}: "
+                                   f"{need / 1e6:.0f} MB needed, {free / 1e6:.0f} MB free",
+                           hint="free space there, or pull --to a directory on another disk")
+    return artifact, manifest, staging
+
+
+class _Downloads:
+    """The blobs of one pull: what the staging directory already holds, and the rest fetched."""
+
+    def __init__(self, staging: Path, manifest: Manifest, artifact: Artifact) -> None:
+        self.staging, self.manifest = staging, manifest
+        self.layers = {layer.path: layer for layer in artifact.layers}
+        self.reference = str(artifact.reference)
+        self._lock = threading.Lock()
+        self._checked: dict[str, tuple[os.stat_result, str]] = {}
+        self._cancel = threading.Event()
+        self.downloaded = self.reused = self.bytes_received = 0
+
+    def run(self, client: Callable[[], RegistryClient], jobs: int) -> None:
+        incoming = self.staging / INCOMING
+        shutil.rmtree(incoming, ignore_errors=True)  # blobs in flight when a pull was interrupted
+        missing = self._keep_what_is_there()
+        os.mkdir(incoming, 0o700)
+        order = sorted(missing, key=lambda rel: -self.manifest.files[rel].size)
+        parallel(lambda item: self._fetch(client(), *item), list(enumerate(order)), jobs, self._cancel)
+        os.rmdir(incoming)
+
+    def _keep_what_is_there(self) -> list[str]:
+        """Files an interrupted pull renamed into place (so checked then) and still unchanged are
+        kept; any other file found is hashed, kept if it matches, else removed."""
+        self._remove_unlisted()
+        record = verified.load(self.staging)
+        missing: list[str] = []
+        to_hash: dict[str, os.stat_result] = {}
+        for rel, entry in self.manifest.files.items():
+            path = self.staging / rel
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                missing.append(rel)
+                continue
+            if not stat.S_ISREG(st.st_mode) or st.st_size != entry.size:
+                self._remove(path, st)
+                missing.append(rel)
+            elif verified.still_verified(record, rel, st, entry.digest):
+                self._checked[rel] = (st, entry.digest)
+            else:
+                to_hash[rel] = st
+        digests = piece_hashes(self.staging, {rel: st.st_size for rel, st in to_hash.items()})
+        for rel, st in to_hash.items():
+            if digests[rel] == self.manifest.files[rel].digest:
+                self._checked[rel] = (st, digests[rel])
+            else:
+                self._remove(self.staging / rel, st)
+                missing.append(rel)
+        self.reused = len(self._checked)
+        return missing
+
+    def _remove_unlisted(self) -> None:
+        """An adopted staging directory holds only what vsnap put there; drop what this manifest
+        does not list (directories are walked, never followed)."""
+        wanted = set(self.manifest.files) | {MANIFEST}
+        prefixes = {"/".join(rel.split("/")[:i]) for rel in self.manifest.files for i in range(1, rel.count("/") + 1)}
+        for dirpath, dirnames, filenames in os.walk(self.staging, followlinks=False):
+            for name in dirnames + filenames:
+                path = Path(dirpath) / name
+                rel = str(path.relative_to(self.staging))
+                st = os.lstat(path)
+                if stat.S_ISDIR(st.st_mode) and rel in prefixes:
+                    continue
+                if rel not in wanted or not stat.S_ISREG(st.st_mode):
+                    self._remove(path, st)
+                    if name in dirnames:
+                        dirnames.remove(name)
+
+    def _remove(self, path: Path, st: os.stat_result) -> None:
+        if stat.S_ISDIR(st.st_mode):
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
+
+    def _fetch(self, client: RegistryClient, index: int, rel: str) -> None:
+        layer: Layer = self.layers[rel]
+        entry: FileEntry = self.manifest.files[rel]
+        part = self.staging / INCOMING / str(index)
+        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            write_blob(client.blob_chunks(layer.digest), layer, entry, fd, self.reference,
+                       checking(self._cancel, self._count))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        self._make_parents(rel)
+        os.rename(part, self.staging / rel)
+        with self._lock:
+            self._checked[rel] = (os.lstat(self.staging / rel), entry.digest)
+            self.downloaded += 1
+            verified.remember(self.staging, dict(self._checked))
+        failpoint("blob pulled")
+
+    def _count(self, nbytes: int) -> None:
+        with self._lock:
+            self.bytes_received += nbytes
+
+    def _make_parents(self, rel: str) -> None:
+        """The directories of ``rel`` inside the staging directory (private; a name already taken
+        by a file is refused: two manifest entries cannot be a file and its directory)."""
+        directory = self.staging
+        for part in rel.split("/")[:-1]:
+            directory = directory / part
+            with self._lock:
+                try:
+                    os.mkdir(directory, 0o700)
+                except FileExistsError:
+                    if not stat.S_ISDIR(os.lstat(directory).st_mode):
+                        raise ImageUntrusted(rel, "the artifact names a file and a directory of the same name",
+                                             hint=ALTERED_HINT) from None
