@@ -101,7 +101,7 @@ def generate(llm: Any) -> list[tuple[list[int], list[float]]]:
 
 
 def pools() -> dict[str, Any]:
-    from vsnap.engine.adapters.vllm.weights import device_memory_report
+    from vsnap.engine.adapters.vllm.weights.pool import device_memory_report
 
     return device_memory_report()
 
@@ -184,7 +184,7 @@ def graphs(model: str) -> dict[str, Any]:
     CUDA fault ends the process)."""
     import torch
 
-    from vsnap.engine.adapters.vllm.weights import route_graph_pool_to_sleep_allocator, tag_graph_pool
+    from vsnap.engine.adapters.vllm.weights.pool import route_graph_pool_to_sleep_allocator, tag_graph_pool
 
     rows: dict[str, Any] = {"routed": route_graph_pool_to_sleep_allocator()}
     llm = make_llm(model)

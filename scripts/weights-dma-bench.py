@@ -6,11 +6,11 @@ registered page-cache memory" lever; numbers go to docs/benchmarks/NOTES.md).
 
 Writes FILE (GIB of bytes, kept in the page cache) unless it has that size, then times, each into
 one GPU tensor of the file's size:
-  stream      vsnap's buffered path (vllm_weights.buffered_into: threads read into pinned buffers, async copies)
+  stream      vsnap's buffered path (weights.copiers.buffered_into: threads read into pinned buffers, async copies)
   register    the file mmapped read-only, cuMemHostRegister of all of it, one copy, unregister
   pieces-N    N threads, each registering a piece of the mapping, copying it on its own stream,
               unregistering it (registration overlapped with other pieces' copies)
-  dma-NxH     vsnap's vllm_weights.dma_into: N threads, each keeping up to H pieces locked
+  dma-NxH     vsnap's weights.copiers.dma_into: N threads, each keeping up to H pieces locked
   later-NxH   the same with unlock_later (a restore's way): the load until every copy is done; the
               unlocking after it is timed apart
   pinned      a copy from host memory registered beforehand (the ceiling: what a standby holding
@@ -61,7 +61,8 @@ def warm(path: Path) -> None:
 
 
 def run_stream(path: Path, target) -> float:
-    from vsnap.engine.adapters.vllm.weights import Segment, buffered_into
+    from vsnap.engine.adapters.vllm.weights.copiers import buffered_into
+    from vsnap.engine.adapters.vllm.weights.layout import Segment
 
     size = path.stat().st_size  # the buffered path itself (stream_into takes dma_into first)
     return buffered_into(path, [Segment("all", 0, size, "torch.uint8", (size,))], [target])["weights_load_s"]
@@ -70,7 +71,8 @@ def run_stream(path: Path, target) -> float:
 def run_dma(path: Path, target, reference, threads: int, held: int) -> tuple[float, str]:
     import torch
 
-    from vsnap.engine.adapters.vllm.weights import Segment, dma_into
+    from vsnap.engine.adapters.vllm.weights.copiers import dma_into
+    from vsnap.engine.adapters.vllm.weights.layout import Segment
 
     size = path.stat().st_size
     target.zero_()
@@ -85,7 +87,8 @@ def run_dma_later(path: Path, target, reference, threads: int, held: int) -> tup
     """dma_into with unlock_later (what a restore does): the load's time, then the unlocking's."""
     import torch
 
-    from vsnap.engine.adapters.vllm.weights import Segment, dma_into
+    from vsnap.engine.adapters.vllm.weights.copiers import dma_into
+    from vsnap.engine.adapters.vllm.weights.layout import Segment
 
     size = path.stat().st_size
     target.zero_()

@@ -15,7 +15,8 @@ pytest.importorskip("cuda.bindings")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from vsnap.engine.adapters.vllm.weights import DMA_ENV, Segment, dma_into, stream_into  # noqa: E402
+from vsnap.engine.adapters.vllm.weights.copiers import DMA_ENV, dma_into, stream_into  # noqa: E402
+from vsnap.engine.adapters.vllm.weights.layout import Segment  # noqa: E402
 
 
 def _layout(sizes: list[int]) -> list[Segment]:

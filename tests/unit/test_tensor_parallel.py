@@ -177,12 +177,25 @@ def test_drop_cuda_graphs_clears_the_wrappers_and_the_v2_manager() -> None:
 
 
 def test_the_tensor_parallel_methods_are_in_vsnaps_one_worker_extension() -> None:
-    from vsnap.engine.adapters.vllm import weights as vllm_weights
+    from vsnap.engine.adapters.vllm.weights import extension as weights_extension
 
-    assert issubclass(vllm_weights.WeightsFileExtension, vllm_tp.TensorParallelExtension)
-    assert vllm_rules.VSNAP_WORKER_EXTENSION == vllm_weights.EXTENSION  # the name specs and images carry
+    assert issubclass(weights_extension.WeightsFileExtension, vllm_tp.TensorParallelExtension)
+    assert vllm_rules.VSNAP_WORKER_EXTENSION == weights_extension.EXTENSION  # the name specs and images carry
     names = [n for n in vars(vllm_tp.TensorParallelExtension) if not n.startswith("__")]
     assert names and all(n.startswith("vsnap_") for n in names)  # vLLM refuses a clash with the Worker's
+
+
+def test_the_worker_extension_name_is_the_class_qualified_name() -> None:
+    """The string the engine gives vLLM (and a spec may repeat) names the class where it lives:
+    vLLM imports the module and takes the class by that name in every worker."""
+    import importlib
+
+    from vsnap.engine.adapters.vllm.weights import extension as weights_extension
+
+    cls = weights_extension.WeightsFileExtension
+    assert f"{cls.__module__}.{cls.__qualname__}" == vllm_rules.VSNAP_WORKER_EXTENSION == weights_extension.EXTENSION
+    module, name = vllm_rules.VSNAP_WORKER_EXTENSION.rsplit(".", 1)  # as vLLM's resolve_obj_by_qualname
+    assert getattr(importlib.import_module(module), name) is cls
 
 
 # --- the adapter over a fake engine -------------------------------------------------------------
@@ -207,11 +220,11 @@ class FakeEngine:
 
 def adapter(ranks: int, recapture: bool, engine: FakeEngine) -> Any:
     from vsnap.engine.adapters.vllm import adapter as vllm
-    from vsnap.engine.adapters.vllm import weights as vllm_weights
+    from vsnap.engine.adapters.vllm.weights import extension as weights_extension
 
     a = vllm.VllmAdapter(SimpleNamespace(weights_dir=None))
     a.engine, a.tp, a.recapture = engine, ranks, recapture
-    a.args = SimpleNamespace(worker_extension_cls=vllm_weights.EXTENSION)
+    a.args = SimpleNamespace(worker_extension_cls=weights_extension.EXTENSION)
     return a
 
 
@@ -258,14 +271,14 @@ def test_one_rank_without_the_opt_in_calls_exactly_what_it_did() -> None:
 
 
 def test_every_rank_file_must_be_there_and_fingerprints_name_the_rank(tmp_path, capsys) -> None:
-    from vsnap.engine.adapters.vllm import weights as vllm_weights
+    from vsnap.engine.adapters.vllm.weights import layout as weights_layout
 
     a = adapter(2, True, FakeEngine(2, {"vsnap_fingerprint": lambda r: {"parameter w": 10 + r}}))
     a.weights_source = "file"
-    (tmp_path / vllm_weights.file_name(0)).write_bytes(b"x")
+    (tmp_path / weights_layout.file_name(0)).write_bytes(b"x")
     assert a._weights_file_visible(str(tmp_path)) is False
     assert "rank1.bin of" in capsys.readouterr().out
-    (tmp_path / vllm_weights.file_name(1)).write_bytes(b"x")
+    (tmp_path / weights_layout.file_name(1)).write_bytes(b"x")
     assert a._weights_file_visible(str(tmp_path)) is True
     assert asyncio.run(a._fingerprint()) == {"rank0 parameter w": 10, "rank1 parameter w": 11}
     one = adapter(1, False, FakeEngine(1, {"vsnap_fingerprint": {"parameter w": 10}}))
@@ -278,7 +291,7 @@ def test_one_rank_trees_keep_the_environment_they_had(tmp_path) -> None:
     """The TP variables are the engine's to set, and only with TP > 1 (vllm.py sets them before its
     workers spawn): with one rank they would change vLLM's compile-cache key and what every
     existing one-GPU capture and cold start ran with."""
-    from vsnap.ops.capture import tree_environment
+    from vsnap.ops.tree import tree_environment
 
     for engine in ("vllm", "cpu"):
         env = tree_environment(tmp_path / "control", tmp_path, engine)

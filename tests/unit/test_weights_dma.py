@@ -16,8 +16,10 @@ import pytest
 
 np = pytest.importorskip("numpy")
 
-from vsnap.engine.adapters.vllm import weights as vllm_weights  # noqa: E402
-from vsnap.engine.adapters.vllm.weights import RegistrationRefused, Segment, dma_into  # noqa: E402
+from vsnap.engine.adapters.vllm.weights import copiers  # noqa: E402
+from vsnap.engine.adapters.vllm.weights import extension as weights_extension  # noqa: E402
+from vsnap.engine.adapters.vllm.weights.copiers import RegistrationRefused, dma_into  # noqa: E402
+from vsnap.engine.adapters.vllm.weights.layout import Segment  # noqa: E402
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -237,7 +239,7 @@ def test_without_cuda_bindings_or_a_mappable_file_it_is_refused(monkeypatch: pyt
     def no_mmap(*_: Any, **__: Any) -> Any:
         raise OSError(12, "Cannot allocate memory")
 
-    monkeypatch.setattr(vllm_weights.mmap, "mmap", no_mmap)
+    monkeypatch.setattr(copiers.mmap, "mmap", no_mmap)
     with pytest.raises(RegistrationRefused, match="cannot be mapped"):
         dma_into(path, _layout(sizes), [FakeTarget(n) for n in sizes])
 
@@ -253,8 +255,8 @@ def test_held_pieces_stay_within_half_of_the_available_memory(tmp_path: Path, av
     meminfo = tmp_path / "meminfo"
     meminfo.write_text(f"MemTotal:       {128 << 20} kB\nMemAvailable:   {available_kib} kB\n")
     # 4 threads x 512 MiB: 64 GiB available allows 16 each, 12 GiB allows 3, 8 GiB the least (2)
-    assert vllm_weights.held_within_memory(16, 4, 512 << 20, meminfo) == want
-    assert vllm_weights.held_within_memory(16, 4, 512 << 20, tmp_path / "absent") == 2
+    assert copiers.held_within_memory(16, 4, 512 << 20, meminfo) == want
+    assert copiers.held_within_memory(16, 4, 512 << 20, tmp_path / "absent") == 2
 
 
 @pytest.mark.parametrize("threads,held", [(2, 16), (3, 2)])
@@ -264,7 +266,7 @@ def test_unlock_later_keeps_the_last_pieces_locked_until_released(
     driver = FakeDriver()
     _install(monkeypatch, driver)
     targets = [FakeTarget(n) for n in sizes]
-    handed: list[vllm_weights.LockedPages] = []
+    handed: list[copiers.LockedPages] = []
     result = dma_into(path, _layout(sizes), targets, threads=threads, piece=PAGE, held=held, unlock_later=handed.append)
     assert b"".join(t.bytes() for t in targets) == data
     pieces = -(-len(data) // PAGE)
@@ -286,7 +288,7 @@ def test_unlock_later_is_not_called_when_a_copy_fails(monkeypatch: pytest.Monkey
     path, sizes, _ = weights
     driver = FakeDriver(fail_copy_at=9)
     _install(monkeypatch, driver)
-    handed: list[vllm_weights.LockedPages] = []
+    handed: list[copiers.LockedPages] = []
     with pytest.raises(RuntimeError, match="to the GPU"):
         dma_into(path, _layout(sizes), [FakeTarget(n) for n in sizes], threads=2, piece=PAGE, held=16,
                  unlock_later=handed.append)
@@ -298,14 +300,14 @@ def test_a_piece_the_driver_will_not_unlock_keeps_the_file_mapped_and_is_an_erro
     path, sizes, _ = weights
     driver = FakeDriver()
     _install(monkeypatch, driver)
-    handed: list[vllm_weights.LockedPages] = []
+    handed: list[copiers.LockedPages] = []
     dma_into(path, _layout(sizes), [FakeTarget(n) for n in sizes], threads=1, piece=PAGE, held=16,
              unlock_later=handed.append)
     [pages] = handed
     stuck = sorted(driver.locked)[3]
     driver.refuse_unlock = {stuck}
     with pytest.warns(UserWarning, match="cuMemHostUnregister"), \
-            pytest.raises(vllm_weights.UnlockRefused, match="1 piece"):
+            pytest.raises(copiers.UnlockRefused, match="1 piece"):
         pages.release()
     # the others are unlocked; the refused one is kept, and the file stays mapped (unmapping a
     # locked range would leave it locked)
@@ -328,7 +330,7 @@ def test_without_unlock_later_a_refused_unlock_fails_the_load(monkeypatch: pytes
         return original(address, size, flags)
 
     driver.cuMemHostRegister = register_then_refuse_its_unlock  # type: ignore[method-assign]
-    with pytest.warns(UserWarning), pytest.raises(vllm_weights.UnlockRefused):
+    with pytest.warns(UserWarning), pytest.raises(copiers.UnlockRefused):
         dma_into(path, _layout(sizes), [FakeTarget(n) for n in sizes], threads=2, piece=PAGE, held=2)
     assert list(driver.locked) == list(driver.refuse_unlock) and _mapped(path)
 
@@ -349,14 +351,14 @@ class FakeLockedPages:
         self.pauses.append(pause_s)
         if self.refuse:
             self.refuse -= 1
-            raise vllm_weights.UnlockRefused("CUDA would not unlock 1 piece(s)")
+            raise copiers.UnlockRefused("CUDA would not unlock 1 piece(s)")
         done, self._pieces = self._pieces, 0
         self.released.set()
         return {"unlocked_pieces": float(done), "unlock_s": 0.001} if done else {}
 
 
-def _worker() -> vllm_weights.WeightsFileExtension:
-    return vllm_weights.WeightsFileExtension.__new__(vllm_weights.WeightsFileExtension)
+def _worker() -> weights_extension.WeightsFileExtension:
+    return weights_extension.WeightsFileExtension.__new__(weights_extension.WeightsFileExtension)
 
 
 def test_the_worker_unlocks_in_the_background_and_a_sleep_waits_for_it(capsys: pytest.CaptureFixture[str]) -> None:
@@ -365,7 +367,7 @@ def test_the_worker_unlocks_in_the_background_and_a_sleep_waits_for_it(capsys: p
     pages = FakeLockedPages(5)
     worker._vsnap_locked = [pages]
     assert worker.vsnap_unlock_weights_file(True) == {"unlocking_pieces": 5.0}
-    assert pages.released.wait(10) and pages.pauses == [vllm_weights.UNLOCK_PAUSE_S]
+    assert pages.released.wait(10) and pages.pauses == [copiers.UNLOCK_PAUSE_S]
     assert worker.vsnap_unlock_weights_file(False) == {}  # joined the thread; nothing left
     assert "weights file unlocked" in capsys.readouterr().out and worker._vsnap_locked == []
 
@@ -377,7 +379,7 @@ def test_pieces_a_background_unlock_could_not_unlock_fail_the_next_sleep(capsys:
     worker.vsnap_unlock_weights_file(True)
     worker._vsnap_unlocking.join(10)
     assert "would not unlock" in capsys.readouterr().out and worker._vsnap_locked == [pages]  # kept, not lost
-    with pytest.raises(vllm_weights.UnlockRefused):  # the sleep before a checkpoint stops there
+    with pytest.raises(copiers.UnlockRefused):  # the sleep before a checkpoint stops there
         worker.vsnap_unlock_weights_file(False)
     assert worker.vsnap_unlock_weights_file(False) == {"unlocked_pieces": 3.0, "unlock_s": 0.001}
     assert worker._vsnap_locked == [] and pages.calls == 3
@@ -387,12 +389,12 @@ def test_the_stack_limit_is_lowered_once_and_put_back_once(monkeypatch: pytest.M
     torch = types.ModuleType("torch")
     torch.cuda = types.SimpleNamespace(synchronize=lambda: None, empty_cache=lambda: None)  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "torch", torch)
-    monkeypatch.setattr(vllm_weights, "release_heap", lambda: None)
-    monkeypatch.setattr(vllm_weights, "device_memory_report", lambda: {})
-    monkeypatch.setattr(vllm_weights, "_device_used", lambda: 0)
+    monkeypatch.setattr(weights_extension, "release_heap", lambda: None)
+    monkeypatch.setattr(weights_extension, "device_memory_report", lambda: {})
+    monkeypatch.setattr(weights_extension, "_device_used", lambda: 0)
     limits = iter([(1024, 277 << 20), (0, 0)])
     lowered: list[int] = []
-    monkeypatch.setattr(vllm_weights, "lower_stack_limit", lambda: lowered.append(1) or next(limits))
+    monkeypatch.setattr(weights_extension, "lower_stack_limit", lambda: lowered.append(1) or next(limits))
     put_back: list[int] = []
 
     def set_limit(value: int) -> dict[str, float]:
@@ -401,13 +403,13 @@ def test_the_stack_limit_is_lowered_once_and_put_back_once(monkeypatch: pytest.M
         put_back.append(value)
         return {"stack_restore_s": 0.0}
 
-    monkeypatch.setattr(vllm_weights, "set_stack_limit", set_limit)
-    monkeypatch.delenv(vllm_weights.STACK_ENV, raising=False)
+    monkeypatch.setattr(weights_extension, "set_stack_limit", set_limit)
+    monkeypatch.delenv(weights_extension.STACK_ENV, raising=False)
     worker = _worker()
     assert worker.vsnap_release_memory()["stack_freed_bytes"] == 277 << 20
     worker.vsnap_release_memory()  # a second sleep without a wake: not lowered again (it would record 0)
     assert lowered == [1]
     assert worker.vsnap_restore_stack_limit() == {"stack_restore_s": 0.0} and put_back == [1024]
     assert worker.vsnap_restore_stack_limit() == {}  # once
-    monkeypatch.setenv(vllm_weights.STACK_ENV, "keep")
+    monkeypatch.setenv(weights_extension.STACK_ENV, "keep")
     assert "stack_freed_bytes" not in worker.vsnap_release_memory() and lowered == [1]

@@ -7,7 +7,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from vsnap.engine.adapters.vllm.weights import flat_bytes, layout, stream_into  # noqa: E402
+from vsnap.engine.adapters.vllm.weights.copiers import stream_into  # noqa: E402
+from vsnap.engine.adapters.vllm.weights.layout import flat_bytes, layout  # noqa: E402
 
 
 def _params() -> list[tuple[str, "torch.Tensor"]]:
@@ -52,7 +53,8 @@ def test_pool_tensors_finds_every_tensor_of_the_pool_and_refills_it(tmp_path: Pa
     froze are found too; the file refills them byte for byte."""
     import gc
 
-    from vsnap.engine.adapters.vllm.weights import fingerprint, pool_tensors
+    from vsnap.engine.adapters.vllm.weights.layout import fingerprint
+    from vsnap.engine.adapters.vllm.weights.pool import pool_tensors
 
     model = torch.nn.Linear(8, 16)
     model.weight = torch.nn.Parameter(torch.randn(8, 16).t(), requires_grad=False)  # like FP8's qweight.t()
@@ -85,7 +87,7 @@ def test_pool_tensors_finds_every_tensor_of_the_pool_and_refills_it(tmp_path: Pa
 
 
 def test_views_of_one_storage_are_carried_once() -> None:
-    from vsnap.engine.adapters.vllm.weights import pool_tensors
+    from vsnap.engine.adapters.vllm.weights.pool import pool_tensors
 
     base = torch.zeros(32)
     model = torch.nn.Module()
@@ -99,7 +101,8 @@ def test_views_of_one_storage_are_carried_once() -> None:
 def test_fingerprint_sees_swapped_bytes_and_buffers_that_are_views_of_parameters() -> None:
     """Moved bytes change the checksum (a plain sum would not); a buffer that is a view of a
     parameter's storage (Mamba2's conv_weights) does not keep that storage out of the file."""
-    from vsnap.engine.adapters.vllm.weights import fingerprint, pool_tensors
+    from vsnap.engine.adapters.vllm.weights.layout import fingerprint
+    from vsnap.engine.adapters.vllm.weights.pool import pool_tensors
 
     a = torch.arange(16, dtype=torch.int32)
     b = torch.cat([a[8:], a[:8]])
@@ -116,7 +119,8 @@ def test_fingerprint_sees_swapped_bytes_and_buffers_that_are_views_of_parameters
 
 def test_refresh_rewrites_the_pieces_that_changed_since_the_save(tmp_path: Path) -> None:
     """What the oracle and the rehearsal change after the save (LoRA slots) is written again in place."""
-    from vsnap.engine.adapters.vllm.weights import WeightsFileExtension, fingerprint, storage_view
+    from vsnap.engine.adapters.vllm.weights.extension import WeightsFileExtension
+    from vsnap.engine.adapters.vllm.weights.layout import fingerprint, storage_view
 
     tensors = [storage_view(torch.arange(8, dtype=torch.int32)), storage_view(torch.zeros(4, dtype=torch.int32))]
     named = [("slots", tensors[0]), ("other", tensors[1])]
@@ -133,7 +137,8 @@ def test_refresh_rewrites_the_pieces_that_changed_since_the_save(tmp_path: Path)
 
 def test_overlaps_are_each_segments_part_of_a_range() -> None:
     """Against a byte-by-byte answer, for every range over a layout with empty and one-byte segments."""
-    from vsnap.engine.adapters.vllm.weights import Segment, _overlaps
+    from vsnap.engine.adapters.vllm.weights.copiers import _overlaps
+    from vsnap.engine.adapters.vllm.weights.layout import Segment
 
     sizes = [5, 0, 1, 7, 0, 3]
     segments, offset = [], 0
@@ -162,26 +167,26 @@ class _CudaLike:
                                               ("1", False, ["dma"]), (None, True, ["dma", "buffered"])])
 def test_cuda_targets_take_dma_unless_told_not_to_and_fall_back_when_refused(
         monkeypatch: pytest.MonkeyPatch, env: str | None, refused: bool, want: list[str]) -> None:
-    from vsnap.engine.adapters.vllm import weights as vllm_weights
+    from vsnap.engine.adapters.vllm.weights import copiers as weights_copy
 
     calls: list[str] = []
 
     def dma(*_: object, **__: object) -> dict[str, float]:
         calls.append("dma")
         if refused:
-            raise vllm_weights.RegistrationRefused("cuMemHostRegister: CUDA_ERROR_NOT_SUPPORTED")
+            raise weights_copy.RegistrationRefused("cuMemHostRegister: CUDA_ERROR_NOT_SUPPORTED")
         return {"weights_registered_pieces": 1.0}
 
     def buffered(*_: object, **__: object) -> dict[str, float]:
         calls.append("buffered")
         return {}
 
-    monkeypatch.setattr(vllm_weights, "dma_into", dma)
-    monkeypatch.setattr(vllm_weights, "buffered_into", buffered)
+    monkeypatch.setattr(weights_copy, "dma_into", dma)
+    monkeypatch.setattr(weights_copy, "buffered_into", buffered)
     if env is None:
-        monkeypatch.delenv(vllm_weights.DMA_ENV, raising=False)
+        monkeypatch.delenv(weights_copy.DMA_ENV, raising=False)
     else:
-        monkeypatch.setenv(vllm_weights.DMA_ENV, env)
+        monkeypatch.setenv(weights_copy.DMA_ENV, env)
     with pytest.warns(UserWarning, match="copying through pinned buffers") if refused else contextlib.nullcontext():
-        vllm_weights.stream_into(Path("/nonexistent"), [], [_CudaLike()])
+        weights_copy.stream_into(Path("/nonexistent"), [], [_CudaLike()])
     assert calls == want

@@ -13,7 +13,7 @@ import types
 
 import pytest
 
-from vsnap.engine.adapters.vllm import weights as vllm_weights
+from vsnap.engine.adapters.vllm.weights import pool as weights_pool
 
 
 class CuMemAllocator:
@@ -48,28 +48,28 @@ def allocator(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
     fake.current_tag = CuMemAllocator.default_tag
     fake.allocator_and_pools = {}
     monkeypatch.setattr(CuMemAllocator, "instance", fake)
-    monkeypatch.setattr(vllm_weights, "_graph_pool_pointers", set())
+    monkeypatch.setattr(weights_pool, "_graph_pool_pointers", set())
     return fake
 
 
 def test_graph_pool_allocations_take_the_kv_cache_tag(allocator) -> None:  # type: ignore[no-untyped-def]
-    assert vllm_weights.tag_graph_pool() == (32 << 20) + (2 << 20)
+    assert weights_pool.tag_graph_pool() == (32 << 20) + (2 << 20)
     tags = {ptr: data.tag for ptr, data in allocator.pointer_to_data.items()}
     assert tags == {0x1000: "weights", 0x2000: "kv_cache", 0x3000: "kv_cache", 0x4000: "kv_cache"}
-    assert vllm_weights.GRAPH_POOL_TAG == "kv_cache"  # what vLLM's own wake_up(tags=["kv_cache"]) maps again
+    assert weights_pool.GRAPH_POOL_TAG == "kv_cache"  # what vLLM's own wake_up(tags=["kv_cache"]) maps again
 
 
 def test_tagging_again_counts_the_same_bytes(allocator) -> None:  # type: ignore[no-untyped-def]
-    first = vllm_weights.tag_graph_pool()
-    assert vllm_weights.tag_graph_pool() == first  # a rehearsal's sleep, then the capture's
+    first = weights_pool.tag_graph_pool()
+    assert weights_pool.tag_graph_pool() == first  # a rehearsal's sleep, then the capture's
 
 
 def test_no_allocator_no_tagging() -> None:
-    assert vllm_weights.tag_graph_pool() == 0
+    assert weights_pool.tag_graph_pool() == 0
 
 
 def test_routing_needs_the_cumem_allocator() -> None:
     from vllm.platforms import current_platform
 
-    assert vllm_weights.route_graph_pool_to_sleep_allocator() is False  # cumem_available is False
+    assert weights_pool.route_graph_pool_to_sleep_allocator() is False  # cumem_available is False
     assert not getattr(type(current_platform), "_vsnap_graph_pool_routed", False)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from vsnap.engine.adapters.vllm import config_rules as vllm_config_rules
 from vsnap.engine.adapters.vllm import rules as vllm_rules
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -129,19 +130,19 @@ def resolved(model: Path, serve: dict):  # type: ignore[no-untyped-def]
     """A real VllmConfig resolved on this host, which has no GPU: vLLM's CPU backend."""
     args, refusals = vllm_rules.parse_serve_args(str(model), serve, cuda=False, environ={})
     assert args is not None, refusals
-    return vllm_rules.resolve_config(args)
+    return vllm_config_rules.resolve_config(args)
 
 
 def test_config_rules_on_a_resolved_cpu_config(tiny_llama: Path) -> None:
     # a dense unquantized Llama with head_dim 64: nothing refused on the CPU backend
     config = resolved(tiny_llama, {"max_model_len": 512})
-    assert vllm_rules.config_refusals(config, is_cuda=False) == []
+    assert vllm_config_rules.config_refusals(config, is_cuda=False) == []
     assert config.model_config.get_head_size() == 64
     assert config.model_config.enable_sleep_mode is False
     assert config.cache_config.kv_cache_memory_bytes == vllm_rules.CPU_KV_CACHE_BYTES
     # the same config on CUDA: there sleep mode is required
-    assert [r.argument for r in vllm_rules.config_refusals(config, is_cuda=True)] == ["enable_sleep_mode"]
-    found = vllm_rules.config_refusals(resolved(tiny_llama, {"max_model_len": 512, "enable_lora": True,
+    assert [r.argument for r in vllm_config_rules.config_refusals(config, is_cuda=True)] == ["enable_sleep_mode"]
+    found = vllm_config_rules.config_refusals(resolved(tiny_llama, {"max_model_len": 512, "enable_lora": True,
                                                              "load_format": "dummy", "cpu_offload_gb": 1}),
                                        is_cuda=False)
     assert {r.argument for r in found} == {"load_format", "cpu_offload_gb"}  # LoRA itself is allowed
@@ -165,9 +166,9 @@ def test_families_on_a_resolved_config(family: str, serve: dict, support: list, 
     resolved config (the capture's rehearsal decides the rest), and are named as the GPU records tested."""
     model = {"dense": tiny_llama, "moe": tiny_moe, "fp8": tiny_fp8}[family]
     config = resolved(model, {"max_model_len": 512, **serve})
-    assert vllm_rules.config_refusals(config, is_cuda=False) == []
-    assert [r.argument for r in vllm_rules.config_refusals(config, is_cuda=True)] == ["enable_sleep_mode"]
-    assert vllm_rules.configuration_support(config) == support
+    assert vllm_config_rules.config_refusals(config, is_cuda=False) == []
+    assert [r.argument for r in vllm_config_rules.config_refusals(config, is_cuda=True)] == ["enable_sleep_mode"]
+    assert vllm_config_rules.configuration_support(config) == support
     if family == "moe":
         assert config.model_config.is_moe
     if family == "fp8" or serve.get("quantization"):
@@ -181,7 +182,7 @@ def test_what_stays_refused_on_a_resolved_config(tiny_llama: Path) -> None:
                             ({"load_format": "dummy"}, "load_format: weights are reloaded from safetensors after "
                                                        "restore: use auto or safetensors")):
         config = resolved(tiny_llama, {"max_model_len": 512, **serve})
-        assert [str(r) for r in vllm_rules.config_refusals(config, is_cuda=False)] == [expected]
+        assert [str(r) for r in vllm_config_rules.config_refusals(config, is_cuda=False)] == [expected]
 
 
 def test_more_adapters_than_vllm_keeps_in_memory_are_refused(tiny_llama: Path, lora_adapter: Path) -> None:
@@ -196,7 +197,7 @@ def test_more_adapters_than_vllm_keeps_in_memory_are_refused(tiny_llama: Path, l
 def test_speculative_decoding_with_a_draft_model_is_refused(tiny_llama: Path) -> None:
     config = resolved(tiny_llama, {"max_model_len": 512, "speculative_config": {
         "method": "draft_model", "model": str(tiny_llama), "num_speculative_tokens": 2}})
-    [refusal] = vllm_rules.config_refusals(config, is_cuda=False)
+    [refusal] = vllm_config_rules.config_refusals(config, is_cuda=False)
     assert refusal.argument == "speculative_config" and "with a draft model (draft_model)" in refusal.reason
 
 
@@ -235,11 +236,11 @@ def test_kv_cache_space_variable_sizes_the_cpu_kv_cache(tiny_llama: Path, monkey
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     args, _ = vllm_rules.parse_serve_args(str(tiny_llama), {"max_model_len": 512}, cuda=False)
     assert args.kv_cache_memory_bytes is None
-    assert vllm_rules.resolve_config(args).cache_config.kv_cache_memory_bytes == 1 << 30
+    assert vllm_config_rules.resolve_config(args).cache_config.kv_cache_memory_bytes == 1 << 30
     # vLLM's CPU platform lets the variable win over the argument (what docs/model-yaml.md says)
     args, _ = vllm_rules.parse_serve_args(str(tiny_llama), {"max_model_len": 512, "kv_cache_memory_bytes": 1 << 20},
                                           cuda=False)
-    assert vllm_rules.resolve_config(args).cache_config.kv_cache_memory_bytes == 1 << 30
+    assert vllm_config_rules.resolve_config(args).cache_config.kv_cache_memory_bytes == 1 << 30
 
 
 def test_cpu_attention_refuses_head_size_48(tiny_llama_hd48: Path) -> None:
@@ -247,12 +248,12 @@ def test_cpu_attention_refuses_head_size_48(tiny_llama_hd48: Path) -> None:
 
     supported = sorted(CPUAttentionBackend.get_supported_head_sizes())
     assert 48 not in supported and 64 in supported
-    assert vllm_rules.cpu_head_sizes() == supported
+    assert vllm_config_rules.cpu_head_sizes() == supported
     config = resolved(tiny_llama_hd48, {"max_model_len": 512})
     assert config.model_config.get_head_size() == 48
-    assert [str(r) for r in vllm_rules.config_refusals(config, is_cuda=False)] == [
+    assert [str(r) for r in vllm_config_rules.config_refusals(config, is_cuda=False)] == [
         f"model: head size 48 is not one vLLM's CPU attention supports ({', '.join(map(str, supported))})"]
-    assert vllm_rules.config_refusals(config, is_cuda=True) == [  # on CUDA the GPU backends decide
+    assert vllm_config_rules.config_refusals(config, is_cuda=True) == [  # on CUDA the GPU backends decide
         vllm_rules.Refusal("enable_sleep_mode", "snapshots need sleep mode")]
 
 
@@ -463,9 +464,9 @@ def test_what_names_no_code_and_no_path_passes(tiny_llama: Path) -> None:
 
 
 def test_worker_extension_names_a_class_in_a_module(tiny_llama: Path) -> None:
-    from vsnap.engine.adapters.vllm import weights as vllm_weights
+    from vsnap.engine.adapters.vllm.weights import extension as weights_extension
 
-    assert vllm_rules.VSNAP_WORKER_EXTENSION == vllm_weights.EXTENSION
+    assert vllm_rules.VSNAP_WORKER_EXTENSION == weights_extension.EXTENSION
     for name in ("module", "pip.__main__.Anything", "pkg..C", "pkg.mod.C; import os"):
         assert refused(tiny_llama, {"worker_extension_cls": name}, cuda=False) == [
             "serve.worker_extension_cls: must be package.module.Class, the qualified name of a class in a module "
@@ -690,14 +691,14 @@ def test_a_resolved_tensor_parallel_config(tiny_llama: Path) -> None:
     assert refusals == []
     args.enable_sleep_mode = False  # vLLM refuses sleep mode on its CPU platform
     try:
-        config = vllm_rules.resolve_config(args)
+        config = vllm_config_rules.resolve_config(args)
     except Exception as exc:  # this vLLM's CPU platform cannot resolve TP=2 here
         pytest.skip(f"vLLM does not resolve TP=2 on this host: {type(exc).__name__}: {exc}")
     assert config.parallel_config.world_size == 2 and config.parallel_config.disable_custom_all_reduce
-    assert [r.argument for r in vllm_rules.config_refusals(config, is_cuda=True)] == ["enable_sleep_mode"]
-    assert "tensor_parallel_size" in [r.argument for r in vllm_rules.config_refusals(config, is_cuda=False)]
+    assert [r.argument for r in vllm_config_rules.config_refusals(config, is_cuda=True)] == ["enable_sleep_mode"]
+    assert "tensor_parallel_size" in [r.argument for r in vllm_config_rules.config_refusals(config, is_cuda=False)]
     assert ("tensor parallelism over 2 GPUs (NCCL and CUDA graphs rebuilt at every restore)", "on trust") in \
-        vllm_rules.configuration_support(config)
+        vllm_config_rules.configuration_support(config)
     config.compilation_config.pass_config.fuse_allreduce_rms = True  # as vLLM's -O2 default would on an H200
     assert "compilation_config.pass_config.fuse_allreduce_rms" in [
-        r.argument for r in vllm_rules.config_refusals(config, is_cuda=True)]
+        r.argument for r in vllm_config_rules.config_refusals(config, is_cuda=True)]

@@ -39,6 +39,7 @@ def require_supported_args(spec: ModelSpec, source: str = "model.yaml") -> str:
 
 def _require_supported_args(spec: ModelSpec, source: str) -> str:
     try:
+        from vsnap.engine.adapters.vllm import config_rules as vllm_config_rules
         from vsnap.engine.adapters.vllm import rules as vllm_rules
     except ImportError as exc:  # pragma: no cover - the module itself has no hard imports
         raise HostNotReady("engine", f"cannot load the vLLM rules: {exc}") from None
@@ -61,16 +62,16 @@ def _require_supported_args(spec: ModelSpec, source: str) -> str:
     # on the CPU backend its model rules apply here; on CUDA the engine applies them when it builds
     # (at capture), and here it only says what the configuration uses beyond a dense model
     try:
-        config = vllm_rules.resolve_config(args)
+        config = vllm_config_rules.resolve_config(args)
     except Exception as exc:  # vLLM's own refusal of the configuration, in its words
         if not cuda:
             raise _issues(source, [vllm_rules.Refusal("serve", f"vLLM refuses the configuration: {exc}")]) from None
         return (f"{len(spec.serve)} serve arguments accepted by vLLM's parser and the snapshot rules "
                 f"(the configuration is resolved at capture: {type(exc).__name__})")
-    refusals = [] if cuda else vllm_rules.config_refusals(config, is_cuda=False)
+    refusals = [] if cuda else vllm_config_rules.config_refusals(config, is_cuda=False)
     if refusals:
         raise _issues(source, refusals)
-    support = vllm_rules.configuration_support(config)
+    support = vllm_config_rules.configuration_support(config)
     beyond = ("; beyond a dense model: " + ", ".join(f"{feature} ({how})" for feature, how in support)
               if support else "")
     if cuda:  # the model rules on this configuration run when the engine builds it (at capture)
@@ -119,7 +120,7 @@ def engine_path() -> list[str]:
     """Where the engine's interpreter looks for modules: vsnap's own package directory first (the
     tree's PYTHONPATH), then this interpreter's path (the engine runs with PYTHONSAFEPATH, from /:
     no working directory on it)."""
-    return [str(Path(__file__).resolve().parent.parent), *(entry for entry in sys.path if entry)]
+    return [str(Path(__file__).resolve().parents[2]), *(entry for entry in sys.path if entry)]  # src/ of src/vsnap/spec
 
 
 def installed_roots() -> list[str]:

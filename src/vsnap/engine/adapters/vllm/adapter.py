@@ -8,7 +8,7 @@ refill; the launcher re-runs the oracle as on a GPU.
 
 On CUDA:
 
-prepare(): oracle, the weights file (vllm_weights), a sleep/wake rehearsal (so a restore never
+prepare(): oracle, the weights file (weights/), a sleep/wake rehearsal (so a restore never
 runs a path that was never run), then sleep level 2 (weights and KV cache released: little GPU
 memory left to checkpoint).
 recover(): wake the weights, stream them back from the image's weights file (or reload them
@@ -40,8 +40,10 @@ from vsnap.protocol.errors import EngineError, OracleMismatch
 from vsnap.protocol.oracle import Oracle, OracleSample, compare_oracles
 
 from . import compat as vllm_compat
+from . import config_rules as vllm_config_rules
 from . import rules as vllm_rules
-from . import weights as vllm_weights
+from .weights import extension as weights_extension
+from .weights import layout as weights_layout
 
 
 def _refuse(phase: str, refusals: list[vllm_rules.Refusal]) -> EngineError:
@@ -141,9 +143,9 @@ class VllmAdapter(EngineAdapter):
         if not self.cuda:
             self.weights_source = "image memory"
         elif not args.worker_extension_cls:  # a user's extension wins (then: no weights file, vLLM's graph pool)
-            args.worker_extension_cls = vllm_weights.EXTENSION
+            args.worker_extension_cls = weights_extension.EXTENSION
             # the worker, spawned below, captures its CUDA graphs into the sleep allocator
-            os.environ.setdefault(vllm_weights.GRAPH_POOL_ENV, "sleep")
+            os.environ.setdefault(weights_extension.GRAPH_POOL_ENV, "sleep")
         self.tp = int(getattr(args, "tensor_parallel_size", 1) or 1)
         # argument_refusals (above) refused a user's worker extension wherever graphs are captured again
         self.recapture = self.cuda and vllm_rules.recaptures_graphs(self.tp)
@@ -152,10 +154,10 @@ class VllmAdapter(EngineAdapter):
         self.args = args
         engine_args = AsyncEngineArgs.from_cli_args(args)
         config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
-        refusals = vllm_rules.config_refusals(config, is_cuda=self.cuda)
+        refusals = vllm_config_rules.config_refusals(config, is_cuda=self.cuda)
         if refusals:
             raise _refuse("build engine", refusals)
-        for feature, support in vllm_rules.configuration_support(config):
+        for feature, support in vllm_config_rules.configuration_support(config):
             print(f"vsnap: configuration: {feature} ({support})", flush=True)
         self.engine = AsyncLLM.from_vllm_config(
             vllm_config=config,
@@ -166,9 +168,9 @@ class VllmAdapter(EngineAdapter):
 
     @property
     def _ours(self) -> bool:
-        """vLLM's worker carries vsnap's extension (vllm_weights): the weights file, the graph
+        """vLLM's worker carries vsnap's extension (weights.extension): the weights file, the graph
         pool, the stack limit and the tensor-parallel methods are there to call."""
-        return bool(self.args.worker_extension_cls == vllm_weights.EXTENSION)
+        return bool(self.args.worker_extension_cls == weights_extension.EXTENSION)
 
     def _adapters(self) -> list[tuple[str, Any]]:
         """The LoRA adapters the server loaded at boot (``--lora-modules``): (name, LoRARequest).
@@ -231,7 +233,7 @@ class VllmAdapter(EngineAdapter):
     def _weights_file_visible(self, weights_dir: str | None) -> bool:
         if self.weights_source != "file" or not weights_dir:
             return False
-        missing = [name for name in map(vllm_weights.file_name, range(self.tp)) if not Path(weights_dir, name).is_file()]
+        missing = [name for name in map(weights_layout.file_name, range(self.tp)) if not Path(weights_dir, name).is_file()]
         if not missing:
             return True
         print(f"vsnap: {', '.join(missing)} of {weights_dir} not visible in the restored tree; reloading from the "

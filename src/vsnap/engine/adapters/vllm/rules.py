@@ -2,21 +2,17 @@
 
 Two stages, as in vLLM's startup-snapshot reference:
 
-* argument rules, on the parsed serve arguments, before anything starts: one Python HTTP
-  frontend, one local rank or tensor parallelism over 2 local GPUs (mp executor, CUDA, the
-  settings of TP_SETTINGS), no external load balancing or expert parallelism, a local
+* argument rules (this module), on the parsed serve arguments, before anything starts: one
+  Python HTTP frontend, one local rank or tensor parallelism over 2 local GPUs (mp executor,
+  CUDA, the settings of TP_SETTINGS), no external load balancing or expert parallelism, a local
   executor, logprobs that can be compared, Linux x86_64, spawned workers;
-* model rules, on the resolved VllmConfig, before workers are built: a generation model, not
-  multimodal (untried), no KV/EC transfer, weights that can be reloaded from safetensors, no CPU
-  offload; on CUDA sleep mode on; on vLLM's CPU backend (no CUDA checkpoint, no sleep: weights
-  and KV cache stay in the image) a head size its attention supports.
-
-Quantization, mixture of experts, LoRA adapters and speculative decoding are not refused: the
-capture's rehearsal (sleep, wake, refill, oracle) decides, and configuration_support says which of
-them a GPU record has tested and which are allowed on the rehearsal's word.
+* model rules (config_rules), on the resolved VllmConfig, before workers are built: a generation
+  model, not multimodal (untried), no KV/EC transfer, weights that can be reloaded from
+  safetensors, no CPU offload; on CUDA sleep mode on; on vLLM's CPU backend (no CUDA checkpoint,
+  no sleep: weights and KV cache stay in the image) a head size its attention supports.
 
 The same rules hold for vLLM 0.26.0 and 0.32.0; the names that moved between them come from
-vllm_compat.
+compat.
 
 The engine runs as root and a model.yaml may come from anyone, so serve arguments through which
 the spec would choose code for the engine to run, or a path for it to write, are refused by name
@@ -197,8 +193,8 @@ SUSPECT_NAME = re.compile(r"(^|_)(cls|class|path|paths|dir|dirs|file|files|modul
 NOT_SUSPECT = ("worker_extension_cls", "hf_config_path", "root_path")
 SUSPECT = "names a file, a directory, a module or a class, which vsnap has not been taught to check"
 QUALNAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+")
-# vsnap's own extension (vllm_weights.EXTENSION), set by the engine when the spec sets none
-VSNAP_WORKER_EXTENSION = "vsnap.engine.adapters.vllm.weights.WeightsFileExtension"
+# vsnap's own extension (weights.extension.EXTENSION), set by the engine when the spec sets none
+VSNAP_WORKER_EXTENSION = "vsnap.engine.adapters.vllm.weights.extension.WeightsFileExtension"
 
 
 def _unset(value: Any) -> bool:
@@ -502,13 +498,7 @@ def argument_refusals(args: argparse.Namespace, environ: dict[str, str] | None =
     if tp > 1:
         refusals += tensor_parallel_refusals(args, env)
     elif recaptures_graphs(tp, env):
-        extension = getattr(args, "worker_extension_cls", "") or ""
-        if extension and extension != VSNAP_WORKER_EXTENSION:
-            refuse("worker_extension_cls", f"{TP1_RECAPTURE_ENV}=1 drops and captures CUDA graphs again, which needs "
-                                           f"vsnap's worker extension: remove worker_extension_cls or unset {TP1_RECAPTURE_ENV}")
-        if _dual_batch_overlap(args):
-            refuse("enable_dbo", f"{TP1_RECAPTURE_ENV}=1 drops and captures CUDA graphs again, which vsnap does not do "
-                                 "for dual-batch overlap's micro-batch graphs (turn enable_dbo and ubatch_size off)")
+        refusals += one_rank_recapture_refusals(args)
     if getattr(args, "trust_remote_code", False):
         refuse("trust_remote_code", "vsnap runs the engine as root: the model's own Python code would run as root "
                                     "(use a model vLLM supports natively)")
@@ -532,6 +522,23 @@ def argument_refusals(args: argparse.Namespace, environ: dict[str, str] | None =
             hint = SPECULATIVE_HINT if speculative and QUALNAME.fullmatch(path) else ""
             refuse(argument, f"{path!r} must be an absolute path (the engine reads it as root, and vsnap checks that "
                              f"it is root's alone){hint}")
+    return refusals
+
+
+def one_rank_recapture_refusals(args: argparse.Namespace) -> list[Refusal]:
+    """What one rank refuses when it drops and captures its CUDA graphs again (TP1_RECAPTURE_ENV)."""
+    refusals: list[Refusal] = []
+
+    def refuse(argument: str, reason: str) -> None:
+        refusals.append(Refusal(argument, reason))
+
+    extension = getattr(args, "worker_extension_cls", "") or ""
+    if extension and extension != VSNAP_WORKER_EXTENSION:
+        refuse("worker_extension_cls", f"{TP1_RECAPTURE_ENV}=1 drops and captures CUDA graphs again, which needs "
+                                       f"vsnap's worker extension: remove worker_extension_cls or unset {TP1_RECAPTURE_ENV}")
+    if _dual_batch_overlap(args):
+        refuse("enable_dbo", f"{TP1_RECAPTURE_ENV}=1 drops and captures CUDA graphs again, which vsnap does not do "
+                             "for dual-batch overlap's micro-batch graphs (turn enable_dbo and ubatch_size off)")
     return refusals
 
 
@@ -613,143 +620,3 @@ def paths_read(args: argparse.Namespace) -> list[tuple[str, str]]:
     if getattr(args, "spec_model", None) not in SPECULATIVE_NAMES:
         add("spec_model", getattr(args, "spec_model", None))
     return found
-
-
-def config_refusals(config: Any, *, is_cuda: bool) -> list[Refusal]:
-    """The reference's model rules on a resolved VllmConfig."""
-    refusals: list[Refusal] = []
-
-    def refuse(argument: str, reason: str) -> None:
-        refusals.append(Refusal(argument, reason))
-
-    model = config.model_config
-    parallel = config.parallel_config
-    if not is_cuda:
-        head_size = model.get_head_size()
-        supported = cpu_head_sizes()
-        if supported is not None and head_size not in supported:
-            refuse("model", f"head size {head_size} is not one vLLM's CPU attention supports "
-                            f"({', '.join(map(str, supported))})")
-    if model.runner_type != "generate":
-        refuse("runner", f"snapshots need a generation model, not {model.runner_type!r}")
-    if model.is_multimodal_model:
-        refuse("model", "multimodal models are not supported yet (not tried: no multimodal test model)")
-    tp = parallel.tensor_parallel_size
-    if (parallel.data_parallel_size != 1 or parallel.data_parallel_size_local != 1
-            or parallel.data_parallel_rank != 0 or parallel.nnodes != 1 or parallel.node_rank != 0
-            or parallel.data_parallel_backend != "mp" or parallel._api_process_count != 1
-            or parallel.distributed_executor_backend not in ("uni", "mp")):
-        refuse("parallel", LOCAL)
-    elif tp == 1 and parallel.world_size != 1:
-        refuse("parallel", LOCAL)
-    elif tp > 1:
-        refusals += _tensor_parallel_config_refusals(config, is_cuda=is_cuda)
-    for name in ("kv_transfer_config", "ec_transfer_config"):
-        if getattr(config, name, None) is not None:
-            refuse(name, "KV/EC transfer connects the engine to other processes or hosts, which a snapshot cannot carry")
-    speculative = getattr(config, "speculative_config", None)
-    method = str(getattr(speculative, "method", "")) if speculative is not None else ""
-    if speculative is not None and method not in MODEL_FREE_SPECULATION:
-        refuse("speculative_config", f"speculative decoding with a draft model ({method}) is not supported yet: vLLM "
-                                     "rebuilds some drafters' buffers at wake before vsnap refills their weights, its own "
-                                     "reload skips the drafter, and the oracle cannot tell (a broken drafter changes "
-                                     "speed, not greedy outputs); ngram and suffix decoding work")
-    if config.load_config.load_format not in ("auto", "safetensors"):
-        refuse("load_format", "weights are reloaded from safetensors after restore: use auto or safetensors")
-    offload = config.offload_config
-    if offload.uva.cpu_offload_gb:
-        refuse("cpu_offload_gb", "CPU offload is not supported")
-    if offload.prefetch.offload_group_size:
-        refuse("offload_group_size", "CPU offload is not supported")
-    if is_cuda and not model.enable_sleep_mode:
-        refuse("enable_sleep_mode", "snapshots need sleep mode")
-    return refusals
-
-
-def _tensor_parallel_config_refusals(config: Any, *, is_cuda: bool) -> list[Refusal]:
-    """The resolved configuration of a tensor-parallel engine: TP=2 alone (world size 2, the mp
-    executor, on CUDA) with the settings vsnap gave the arguments still in force after vLLM's
-    defaults (backing up argument_refusals and tensor_parallel_settings)."""
-    parallel = config.parallel_config
-    tp = parallel.tensor_parallel_size
-    refusals: list[Refusal] = []
-    if not is_cuda:
-        refusals.append(Refusal("tensor_parallel_size", "tensor parallelism on vLLM's CPU backend is not supported (set "
-                                                        "tensor_parallel_size: 1 on a host without a GPU)"))
-    if tp not in TENSOR_PARALLEL_SIZES or parallel.world_size != tp:
-        refusals.append(Refusal("parallel", f"snapshots need tensor parallelism alone over {tp} local GPUs (world "
-                                            f"size {parallel.world_size})"))
-    if parallel.distributed_executor_backend != "mp":
-        refusals.append(Refusal("distributed_executor_backend", "tensor parallelism needs the mp executor"))
-    for name in ("pipeline_parallel_size", "decode_context_parallel_size", "prefill_context_parallel_size"):
-        if getattr(parallel, name, 1) not in (None, 1):
-            refusals.append(Refusal(name, SINGLE_RANK_SIZES[name]))
-    for name in ("enable_expert_parallel", "enable_eplb", "enable_elastic_ep"):
-        if getattr(parallel, name, False):
-            refusals.append(Refusal(name, LOAD_BALANCING_FLAGS[name]))
-    if getattr(parallel, "enable_dbo", False) or (getattr(parallel, "ubatch_size", 0) or 0) > 1:
-        refusals.append(Refusal("enable_dbo", "dual-batch overlap is not supported with tensor parallelism"))
-    for name, (value, why) in TP_ARGUMENTS.items():
-        if getattr(parallel, name, value) != value:
-            refusals.append(Refusal(name, f"must be {str(value).lower()} with tensor parallelism: {why}"))
-    passes = getattr(getattr(config, "compilation_config", None), "pass_config", None)
-    for name, (value, why) in TP_PASS_CONFIG.items():
-        if bool(getattr(passes, name, value)) != value:
-            refusals.append(Refusal(f"compilation_config.pass_config.{name}",
-                                    f"must be {str(value).lower()} with tensor parallelism: {why}"))
-    if getattr(config, "weight_transfer_config", None) is not None:
-        refusals.append(Refusal("weight_transfer_config", "weight transfer keeps a live NCCL communicator to an "
-                                                          "external trainer, which a snapshot cannot carry"))
-    return refusals
-
-
-# What the GPU records in docs/benchmarks/ show captured and restored with a bit-identical oracle and
-# outputs equal to a cold start (vLLM 0.26.0, H200); see docs/model-yaml.md.
-TESTED_QUANTIZATION = ("fp8",)
-TESTED_SPECULATION = ("ngram",)
-# speculative methods that need no draft model (no weights of their own to bring back)
-MODEL_FREE_SPECULATION = ("ngram", "ngram_gpu", "suffix")
-
-
-def configuration_support(config: Any) -> list[tuple[str, str]]:
-    """What a resolved VllmConfig uses beyond a dense bf16 model, each with "tested" (a committed
-    GPU record covers it) or "on trust" (allowed because the capture's rehearsal (sleep, wake,
-    reload, oracle) must pass before an image is published)."""
-    model = config.model_config
-    found: list[tuple[str, str]] = []
-    if model.quantization is not None:
-        found.append((f"quantization {model.quantization}",
-                      "tested" if model.quantization in TESTED_QUANTIZATION else "on trust"))
-    if model.is_moe:
-        architecture = (getattr(model, "architectures", None) or ["?"])[0]
-        found.append((f"mixture of experts ({architecture})",
-                      "tested" if architecture == "MixtralForCausalLM" else "on trust"))
-    if getattr(config, "lora_config", None) is not None:
-        found.append(("LoRA adapters", "tested"))
-    speculative = getattr(config, "speculative_config", None)
-    if speculative is not None:
-        method = str(getattr(speculative, "method", "?"))
-        found.append((f"speculative decoding ({method})", "tested" if method in TESTED_SPECULATION else "on trust"))
-    if model.is_hybrid:
-        found.append(("hybrid attention + state-space model", "on trust"))
-    tp = getattr(getattr(config, "parallel_config", None), "tensor_parallel_size", 1) or 1
-    if tp > 1:  # no GPU record yet (docs/design/tensor-parallel-2.md 8)
-        found.append((f"tensor parallelism over {tp} GPUs (NCCL and CUDA graphs rebuilt at every restore)", "on trust"))
-    return found
-
-
-def cpu_head_sizes() -> list[int] | None:
-    """The head sizes vLLM's CPU attention backend takes (a list, not a lower bound), or None."""
-    try:
-        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-    except ImportError:
-        return None
-    return sorted(CPUAttentionBackend.get_supported_head_sizes())
-
-
-def resolve_config(args: argparse.Namespace) -> Any:
-    """vLLM's own VllmConfig for parsed serve arguments (reads the model's config, loads nothing)."""
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.usage.usage_lib import UsageContext
-
-    return AsyncEngineArgs.from_cli_args(args).create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)

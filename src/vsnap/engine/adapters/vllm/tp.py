@@ -19,7 +19,7 @@ first time.
 With one rank there is no communicator: the same methods drop and capture the graphs only
 (vllm_rules.TP1_RECAPTURE_ENV turns that on, so one GPU exercises the path).
 
-``TensorParallelExtension`` is mixed into vsnap's worker extension (vllm_weights); the engine
+``TensorParallelExtension`` is mixed into vsnap's worker extension (weights.extension); the engine
 calls its methods through ``collective_rpc``, which runs them on every rank at once (each step
 that talks to the other rank needs that). The helpers take their vLLM and torch objects as
 arguments where a test can give fakes.
