@@ -16,8 +16,9 @@ from .protocol.version import __version__
 # public name -> the module that defines it
 _EXPORTS = {
     "CaptureResult": ".ops.capture", "capture_image": ".ops.capture",
-    "RestoredServer": ".ops.restore", "restore_image": ".ops.restore", "stop_server": ".ops.restore",
-    "verify_image": ".ops.restore",
+    "RestoredServer": ".ops.bringup", "restore_image": ".ops.restore", "verify_image": ".ops.restore",
+    "activate_instance": ".ops.standby", "stop_server": ".ops.stop", "Image": ".image.handle",
+    "open_image": ".image.handle",
     "ModelSpec": ".spec.schema", "load_spec": ".spec.schema",
     "Manifest": ".image.manifest", "read_manifest": ".image.manifest",
     **{name: ".protocol.errors" for name in (
@@ -42,9 +43,13 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
+    from vsnap.image.handle import Image, open_image
     from vsnap.image.manifest import Manifest, read_manifest
+    from vsnap.ops.bringup import RestoredServer
     from vsnap.ops.capture import CaptureResult, capture_image
-    from vsnap.ops.restore import RestoredServer, restore_image, stop_server, verify_image
+    from vsnap.ops.restore import restore_image, verify_image
+    from vsnap.ops.standby import activate_instance
+    from vsnap.ops.stop import stop_server
     from vsnap.protocol.errors import (
         CheckpointError,
         ControlProtocolError,

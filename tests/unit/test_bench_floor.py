@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from vsnap.ops.bench.run import restore_floor, write_record
+from vsnap.ops.bench.floor import restore_floor
+from vsnap.ops.bench.record import write_record
 
 MB = 1_000_000
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from vsnap.ops.bench.run import BENCH_PROMPTS, bench_prompts, compare_outputs, parse_completion
+from vsnap.ops.bench.outputs import BENCH_PROMPTS, bench_prompts, compare_outputs, parse_completion
 
 
 def test_prompts_are_fixed_and_distinct() -> None:

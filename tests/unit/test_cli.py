@@ -16,7 +16,7 @@ import vsnap
 from vsnap.cli import EXIT_CODES_HELP, _render, app
 from vsnap.cli import ps as ps_cli
 from vsnap.host import instances as _instances_module
-from vsnap.ops import restore as _restore_module
+from vsnap.ops import stop as _stop_module
 from vsnap.protocol.errors import NothingRunning, UnknownInstance, UnsupportedOption
 
 runner = CliRunner()
@@ -101,7 +101,7 @@ def test_stop_with_nothing_running_exits_9(monkeypatch: pytest.MonkeyPatch) -> N
 def test_stop_of_an_unknown_target_exits_10(monkeypatch: pytest.MonkeyPatch) -> None:
     stopped = []
     monkeypatch.setattr(_instances_module, "running_instances", lambda: [FakeRecord("r-1", "/img/a")])
-    monkeypatch.setattr(_restore_module, "stop_server", stopped.append)
+    monkeypatch.setattr(_stop_module, "stop_server", stopped.append)
     result = invoke("stop", "/img/b")
     assert result.exit_code == 10 and "no running instance of /img/b" in result.stderr and "r-1" in result.stderr
     doc = document(invoke("stop", "r-2", "--json"))

@@ -23,7 +23,7 @@ from typing import Iterator
 
 import pytest
 
-from vsnap.ops import restore as _restore
+from vsnap.host import http as _http
 from vsnap.protocol.errors import EngineError
 
 
@@ -50,7 +50,7 @@ def server() -> Iterator[http.server.HTTPServer]:
 
 
 def _url(httpd: http.server.HTTPServer) -> str:
-    return _restore.server_url("127.0.0.1", httpd.server_address[1])
+    return _http.server_url("127.0.0.1", httpd.server_address[1])
 
 
 def _urllib_says(url: str) -> str | None:
@@ -63,7 +63,7 @@ def _urllib_says(url: str) -> str | None:
 
 
 def test_health_check_passes_on_200(server: http.server.HTTPServer) -> None:
-    _restore.health_check(_url(server), timeout_s=5)
+    _http.health_check(_url(server), timeout_s=5)
 
 
 @pytest.mark.parametrize("status", [503, 404, 204])
@@ -71,9 +71,9 @@ def test_health_check_reports_other_answers_as_urllib_did(server: http.server.HT
     server.RequestHandlerClass.status = status  # type: ignore[attr-defined]
     url = _url(server)
     port = server.server_address[1]
-    assert _restore._get_health("127.0.0.1", port, deadline=time.monotonic() + 5) == _urllib_says(url)
+    assert _http._get_health("127.0.0.1", port, deadline=time.monotonic() + 5) == _urllib_says(url)
     with pytest.raises(EngineError, match="did not answer 200") as raised:
-        _restore.health_check(url, timeout_s=0.1)
+        _http.health_check(url, timeout_s=0.1)
     assert f"({_urllib_says(url)})" in raised.value.message
 
 
@@ -81,8 +81,8 @@ def test_health_check_reports_a_refused_connection_as_urllib_did() -> None:
     with socket.socket() as probe:  # a port nothing listens on
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    url = _restore.server_url("127.0.0.1", port)
-    assert _restore._get_health("127.0.0.1", port, deadline=time.monotonic() + 5) == _urllib_says(url)
+    url = _http.server_url("127.0.0.1", port)
+    assert _http._get_health("127.0.0.1", port, deadline=time.monotonic() + 5) == _urllib_says(url)
     assert _urllib_says(url) == "<urlopen error [Errno 111] Connection refused>"
 
 
@@ -105,7 +105,7 @@ def test_a_server_that_answers_one_byte_at_a_time_cannot_stretch_the_deadline() 
     thread.start()
     started = time.monotonic()
     with pytest.raises(EngineError, match="did not answer 200 .*timed out"):
-        _restore.health_check(f"http://127.0.0.1:{listener.getsockname()[1]}", timeout_s=1)
+        _http.health_check(f"http://127.0.0.1:{listener.getsockname()[1]}", timeout_s=1)
     assert time.monotonic() - started < 3  # one deadline, not one per byte
     stop.set()
     listener.close()
@@ -117,7 +117,7 @@ def test_the_health_check_gives_up_when_the_tree_is_gone() -> None:
         port = unused.getsockname()[1]
     gone = EngineError("serve", "EngineExited", "the restored engine exited before /health answered")
     with pytest.raises(EngineError, match="exited before /health answered"):
-        _restore.health_check(f"http://127.0.0.1:{port}", timeout_s=30, stop=lambda: gone)
+        _http.health_check(f"http://127.0.0.1:{port}", timeout_s=30, stop=lambda: gone)
 
 
 def test_main_freezes_the_objects_before_the_exit(monkeypatch: pytest.MonkeyPatch) -> None:

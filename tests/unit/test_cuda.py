@@ -61,7 +61,7 @@ def _manifest_with_gpu(need: int, tp: int = 1, uuids: list[str] | None = None):
 
 def test_choose_gpus_for_one_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     from vsnap.host import cuda as _cuda
-    from vsnap.ops import restore as _restore
+    from vsnap.ops import gpus as _gpus
     from vsnap.protocol.errors import HostNotReady
 
     gpus = [{"index": 0, "name": "NVIDIA H200", "uuid": U("a")}, {"index": 1, "name": "NVIDIA H200", "uuid": U("b")},
@@ -71,19 +71,19 @@ def test_choose_gpus_for_one_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_cuda, "gpu_free_memory", lambda: free)
     manifest = _manifest_with_gpu(50)
     # the captured GPU is busy: the first other GPU of the same model with room
-    assert _restore.choose_gpus(manifest, None)[0]["uuid"] == U("b")
-    assert _restore.choose_gpus(manifest, U("b"))[0]["index"] == 1
+    assert _gpus.choose_gpus(manifest, None)[0].uuid == U("b")
+    assert _gpus.choose_gpus(manifest, U("b"))[0].index == 1
     with pytest.raises(HostNotReady, match="GPU 2 is a NVIDIA H100; the image was captured on a NVIDIA H200"):
-        _restore.choose_gpus(manifest, "2")
+        _gpus.choose_gpus(manifest, "2")
     with pytest.raises(HostNotReady, match="GPU 0 has 0.0 GiB free"):
-        _restore.choose_gpus(manifest, "0")
+        _gpus.choose_gpus(manifest, "0")
     with pytest.raises(HostNotReady, match="no GPU '7' on this host"):
-        _restore.choose_gpus(manifest, "7")
+        _gpus.choose_gpus(manifest, "7")
     free[U("b")] = 10
     with pytest.raises(HostNotReady, match="no GPU can take this image"):
-        _restore.choose_gpus(manifest, None)
+        _gpus.choose_gpus(manifest, None)
     free[U("a")] = 60
-    assert _restore.choose_gpus(manifest, None)[0]["uuid"] == U("a")  # the captured one first
+    assert _gpus.choose_gpus(manifest, None)[0].uuid == U("a")  # the captured one first
 
 
 def test_the_gpus_facts_are_read_once_for_the_host_check_and_the_choice(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -91,7 +91,7 @@ def test_the_gpus_facts_are_read_once_for_the_host_check_and_the_choice(monkeypa
 
     from vsnap.host import cuda as _cuda
     from vsnap.image import compat
-    from vsnap.ops import restore as _restore
+    from vsnap.ops import gpus as _gpus
 
     def driver_asked_again() -> None:
         raise AssertionError("gpu_facts called although its future was given")
@@ -101,7 +101,7 @@ def test_the_gpus_facts_are_read_once_for_the_host_check_and_the_choice(monkeypa
     read: Future = Future()
     read.set_result(("580.1", "13.0", [{"index": 0, "name": "NVIDIA H200", "uuid": U("a"), "memory_bytes": 100}]))
     manifest = _manifest_with_gpu(50)
-    assert _restore.choose_gpus(manifest, None, read)[0]["uuid"] == U("a")
+    assert _gpus.choose_gpus(manifest, None, read)[0].uuid == U("a")
     facts = compat.current_facts(manifest, read)
     assert (facts.driver, facts.cuda, [g["uuid"] for g in facts.gpus]) == ("580.1", "13.0", [U("a")])
 
@@ -183,20 +183,6 @@ def test_a_failed_restore_names_the_process() -> None:
         cuda.restore([21, 22])
 
 
-def test_nvidia_smi_rows_parsed(monkeypatch: pytest.MonkeyPatch) -> None:
-    import subprocess
-    from types import SimpleNamespace
-
-    from vsnap.host import cuda as _cuda
-
-    outputs = {"--query-gpu=uuid,memory.free": "GPU-a, 1024\nGPU-b, [N/A]\n",
-               "--query-compute-apps=pid,used_memory": "11, 512\n11, 256\n12, 100\nbad line\n"}
-    monkeypatch.setattr(subprocess, "run", lambda argv, **kw: SimpleNamespace(stdout=outputs[argv[1]]))
-    monkeypatch.setattr(_cuda, "_nvml_free_memory", lambda: None)  # no NVML: nvidia-smi answers
-    assert _cuda.gpu_free_memory() == {"GPU-a": 1024 << 20}
-    assert _cuda.gpu_memory_by_pid() == {11: 768 << 20, 12: 100 << 20}
-
-
 H200S = [{"index": i, "name": "NVIDIA H200", "uuid": U(c)} for i, c in enumerate("abcd")]
 
 
@@ -204,44 +190,46 @@ def test_choose_gpus_for_a_tensor_parallel_image(monkeypatch: pytest.MonkeyPatch
     """One GPU per rank, in rank order: each rank on its captured GPU where it has room, the others
     on the first other GPUs that do; --gpu names one per rank, each once."""
     from vsnap.host import cuda as _cuda
-    from vsnap.ops import restore as _restore
+    from vsnap.ops import gpus as _gpus
     from vsnap.protocol.errors import HostNotReady
 
     free = {U("a"): 90, U("b"): 90, U("c"): 90, U("d"): 90}
     monkeypatch.setattr(_cuda, "gpu_facts", lambda: ("580", "13.0", H200S))
     monkeypatch.setattr(_cuda, "gpu_free_memory", lambda: free)
     manifest = _manifest_with_gpu(50, tp=2, uuids=[U("b"), U("a")])  # rank 0 ran on GPU-b
-    assert [g["uuid"] for g in _restore.choose_gpus(manifest, None)] == [U("b"), U("a")]
+    assert [g.uuid for g in _gpus.choose_gpus(manifest, None)] == [U("b"), U("a")]
     free[U("b")] = 10  # rank 0's GPU is busy: rank 1 keeps its own
-    assert [g["uuid"] for g in _restore.choose_gpus(manifest, None)] == [U("c"), U("a")]
-    assert [g["uuid"] for g in _restore.choose_gpus(manifest, "3,2")] == [U("d"), U("c")]
-    assert [g["uuid"] for g in _restore.choose_gpus(manifest, f"{U('c')}, 0")] == [U("c"), U("a")]
+    assert [g.uuid for g in _gpus.choose_gpus(manifest, None)] == [U("c"), U("a")]
+    assert [g.uuid for g in _gpus.choose_gpus(manifest, "3,2")] == [U("d"), U("c")]
+    assert [g.uuid for g in _gpus.choose_gpus(manifest, f"{U('c')}, 0")] == [U("c"), U("a")]
     with pytest.raises(HostNotReady, match=r"--gpu '2' names 1 GPU\(s\); the image has 2 rank\(s\)"):
-        _restore.choose_gpus(manifest, "2")
+        _gpus.choose_gpus(manifest, "2")
     with pytest.raises(HostNotReady, match="names GPU 2 twice"):
-        _restore.choose_gpus(manifest, f"2,{U('c')}")
+        _gpus.choose_gpus(manifest, f"2,{U('c')}")
     with pytest.raises(HostNotReady, match="GPU 1 has 0.0 GiB free"):
-        _restore.choose_gpus(manifest, "1,2")
+        _gpus.choose_gpus(manifest, "1,2")
     with pytest.raises(HostNotReady, match="has an empty entry"):
-        _restore.choose_gpus(manifest, "2,")
+        _gpus.choose_gpus(manifest, "2,")
     free.update({U("c"): 10, U("d"): 10})
     with pytest.raises(HostNotReady, match="fewer than 2 GPUs can take this image: GPU 1 has"):
-        _restore.choose_gpus(manifest, None)
+        _gpus.choose_gpus(manifest, None)
     monkeypatch.setattr(_cuda, "gpu_facts", lambda: ("580", "13.0", H200S[:1]))
     with pytest.raises(HostNotReady, match=r"this host has 1 GPU\(s\); the image needs 2"):
-        _restore.choose_gpus(_manifest_with_gpu(0, tp=2, uuids=[U("a"), U("b")]), None)
+        _gpus.choose_gpus(_manifest_with_gpu(0, tp=2, uuids=[U("a"), U("b")]), None)
 
 
 def test_gpu_pairs_map_each_rank_and_nothing_when_all_stay() -> None:
-    from vsnap.ops import restore as _restore
+    from vsnap.ops import gpus as _gpus
 
-    a, b, c = ({"uuid": u} for u in ("GPU-a", "GPU-b", "GPU-c"))
-    assert _restore.gpu_pairs(["GPU-a"], [a]) == []  # one rank on its own GPU: no map, as before
-    assert _restore.gpu_pairs(["GPU-a"], [b]) == [("GPU-a", "GPU-b")]
-    assert _restore.gpu_pairs(["GPU-a", "GPU-b"], [a, b]) == []
-    assert _restore.gpu_pairs(["GPU-a", "GPU-b"], [b, c]) == [("GPU-a", "GPU-b"), ("GPU-b", "GPU-c")]
-    assert _restore.gpu_pairs(["GPU-a", "GPU-b"], [a, c]) == [("GPU-a", "GPU-a"), ("GPU-b", "GPU-c")]
-    assert _restore.gpu_pairs([], None) == []
+    from vsnap.ops.gpus import Gpu
+
+    a, b, c = (Gpu(index, "NVIDIA H200", uuid) for index, uuid in enumerate(("GPU-a", "GPU-b", "GPU-c")))
+    assert _gpus.gpu_pairs(["GPU-a"], [a]) == []  # one rank on its own GPU: no map, as before
+    assert _gpus.gpu_pairs(["GPU-a"], [b]) == [("GPU-a", "GPU-b")]
+    assert _gpus.gpu_pairs(["GPU-a", "GPU-b"], [a, b]) == []
+    assert _gpus.gpu_pairs(["GPU-a", "GPU-b"], [b, c]) == [("GPU-a", "GPU-b"), ("GPU-b", "GPU-c")]
+    assert _gpus.gpu_pairs(["GPU-a", "GPU-b"], [a, c]) == [("GPU-a", "GPU-a"), ("GPU-b", "GPU-c")]
+    assert _gpus.gpu_pairs([], None) == []
 
 
 def test_a_manifest_without_the_tensor_parallel_fields_reads_as_one_rank(tmp_path) -> None:
@@ -312,7 +300,7 @@ def test_gpu_lists_with_an_empty_entry_or_of_any_length_are_refused_in_one_line(
     the empty entry, unnamed), and every refusal echoed the argument whole: a newline in it split
     the error over lines, a long list made a line of any length."""
     from vsnap.host import cuda as _cuda
-    from vsnap.ops import restore as _restore
+    from vsnap.ops import gpus as _gpus
     from vsnap.protocol.errors import HostNotReady
 
     monkeypatch.setattr(_cuda, "gpu_facts", lambda: ("580", "13.0", H200S))
@@ -320,13 +308,13 @@ def test_gpu_lists_with_an_empty_entry_or_of_any_length_are_refused_in_one_line(
     manifest = _manifest_with_gpu(50, tp=2, uuids=[U("a"), U("b")])
     for requested in ("0,,1", "0,1,", ",", " "):
         with pytest.raises(HostNotReady, match="has an empty entry") as info:
-            _restore.choose_gpus(manifest, requested)
+            _gpus.choose_gpus(manifest, requested)
         assert "--gpu 0,1" in info.value.hint
     for requested in ("0\n,1,2", ",".join(["0"] * 5000), "\n0", "x" * 5000 + ",1"):
         with pytest.raises(HostNotReady) as info:
-            _restore.choose_gpus(manifest, requested)
+            _gpus.choose_gpus(manifest, requested)
         assert "\n" not in info.value.message and len(info.value.message) < 300, info.value.message
-    assert [g["index"] for g in _restore.choose_gpus(manifest, " 1 , 0 ")] == [1, 0]
+    assert [g.index for g in _gpus.choose_gpus(manifest, " 1 , 0 ")] == [1, 0]
 
 
 def test_a_standby_with_gpu_is_refused_in_one_line_however_long_the_gpu_argument() -> None:

@@ -120,7 +120,7 @@ def test_a_manifest_nested_too_deep_is_malformed_not_a_traceback(tmp_path: Path)
                                        ("::1", "http://[::1]:8000"), ("::", "http://[::1]:8000"),
                                        ("fe80::1", "http://[fe80::1]:8000"), ("localhost", "http://localhost:8000")])
 def test_server_urls_are_usable_ipv6_bracketed(host: str, url: str) -> None:
-    from vsnap.ops.restore import server_url
+    from vsnap.host.http import server_url
 
     assert server_url(host, 8000) == url
     assert server_url(host, 8000, tls=True) == url.replace("http://", "https://")
@@ -171,15 +171,15 @@ def test_a_standbys_image_digest_is_the_manifest_files_not_this_versions_reading
     import json
 
     from tests.unit import fake_image
+    from vsnap.image.handle import manifest_digest, open_image
     from vsnap.image.manifest import read_manifest
-    from vsnap.ops.restore import image_digest, manifest_digest
 
     image = fake_image.make_image(tmp_path / "images" / "m")
     raw = json.loads((image / "manifest.json").read_bytes())
     (image / "manifest.json").write_text(json.dumps(raw, indent=1))  # as another writer would: same fields
     manifest = read_manifest(image)
     data = (image / "manifest.json").read_bytes()
-    assert image_digest(image, manifest) == hashlib.sha256(data).hexdigest() != manifest_digest(manifest)
+    assert open_image(image, lock=False).digest == hashlib.sha256(data).hexdigest() != manifest_digest(manifest)
     raw["name"] = raw["name"] + "-again"
     (image / "manifest.json").write_text(json.dumps(raw))
-    assert image_digest(image, read_manifest(image)) != hashlib.sha256(data).hexdigest()
+    assert open_image(image, lock=False).digest != hashlib.sha256(data).hexdigest()

@@ -54,7 +54,7 @@ def test_a_record_whose_pid_was_reused_is_gone_and_never_signalled(tmp_path: Pat
     import subprocess
 
     from vsnap.host.instances import ProcessRef, instance_records, running_instances
-    from vsnap.ops.restore import stop_server
+    from vsnap.ops.stop import stop_server
 
     monkeypatch.setattr(_instances, "RUNTIME_DIR", tmp_path / "run")
     bystander = subprocess.Popen(["sleep", "60"])  # an unrelated process that now holds the recorded PID
@@ -182,7 +182,7 @@ def test_stopping_an_activation_whose_vsnap_died_does_not_wait(tmp_path: Path, m
 
     from vsnap.host.instances import ProcessRef, running_instances
     from vsnap.host.proctree import is_same
-    from vsnap.ops.restore import stop_server
+    from vsnap.ops.stop import stop_server
 
     monkeypatch.setattr(_instances, "RUNTIME_DIR", tmp_path / "run")
     me = this_process()
@@ -216,7 +216,7 @@ def test_a_record_naming_a_process_that_is_no_tree_is_never_signalled(tmp_path: 
     import subprocess
 
     from vsnap.host.instances import ProcessRef, running_instances
-    from vsnap.ops.restore import stop_server
+    from vsnap.ops.stop import stop_server
     from vsnap.protocol.errors import ProcessTreeError
 
     monkeypatch.setattr(_instances, "RUNTIME_DIR", tmp_path / "run")
@@ -233,7 +233,7 @@ def test_a_record_naming_a_process_that_is_no_tree_is_never_signalled(tmp_path: 
             stop_server(record)
         assert bystander.poll() is None and (directory / "keep").exists()
         # a restoring record whose "owner" is not vsnap: after the wait, the owner is not signalled
-        monkeypatch.setattr("vsnap.ops.restore.STOP_WAIT_S", 0.2)
+        monkeypatch.setattr("vsnap.ops.stop.STOP_WAIT_S", 0.2)
         stuck = record.model_copy(update={"state": "restoring", "tree": None, "owner": ref})
         register(stuck)
         stop_server(stuck)

@@ -42,11 +42,11 @@ def test_an_oracle_failure_the_tree_reports_with_odd_fields_is_still_one_line() 
     (a traceback) where vsnap reads it."""
     from pathlib import Path
 
-    from vsnap.ops.restore import _engine_failure
+    from vsnap.ops.bringup import engine_failure
     from vsnap.protocol.control import ErrorReport
 
     report = ErrorReport(phase="recover", type="OracleMismatch", message="m",
                          detail={"prompt": "1e9x", "position": True, "expected": "a" * 10_000, "actual": 3})
-    error = _engine_failure(report, Path("/x/engine.log"))
+    error = engine_failure(report, Path("/x/engine.log"))
     assert isinstance(error, OracleMismatch)
     assert (error.prompt, error.position) == (-1, -1) and len(error.expected) == 200 and error.actual == "3"

@@ -4,8 +4,8 @@ classification, the rehearsal's account of state that did not come back, LoRA ad
 from types import SimpleNamespace
 
 from vsnap.engine.adapters.vllm.adapter import RehearsalMismatch, changed_state
-from vsnap.engine.adapters.vllm.rules import configuration_support
-from vsnap.ops.bench.run import lora_adapter_names
+from vsnap.engine.adapters.vllm.config_rules import configuration_support
+from vsnap.ops.bench.outputs import lora_adapter_names
 from vsnap.protocol.errors import OracleMismatch
 from vsnap.protocol.oracle import Oracle, OracleSample
 

@@ -24,16 +24,17 @@ def activate(
                                                           "of their model with enough free memory)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON document on stdout"),
 ) -> None:
-    from vsnap.host import gpu_early as _gpu_early
+    from vsnap.host import gpu_early
 
-    _gpu_early.start()  # the CUDA driver starts while the restore path is imported
+    gpu_early.start()  # the CUDA driver starts while the restore path is imported
+    # here, not at import: every vsnap command loads every command module
     from vsnap.host.proctree import seconds_since_start
-    from vsnap.ops import restore as _restore  # here, not at import: every vsnap command loads every command module
+    from vsnap.ops.standby import activate_instance
 
     started_s = seconds_since_start()  # the interpreter's start and the imports, before any phase
     progress = _render.PhaseProgress()
     try:
-        server = _restore.activate_instance(instance, host=host, port=port, gpu=gpu, on_event=progress)
+        server = activate_instance(instance, host=host, port=port, gpu=gpu, on_event=progress)
     finally:
         progress.close()
     if as_json:

@@ -18,11 +18,11 @@ def inspect(
     image: Path = typer.Argument(..., help="image directory"),
     as_json: bool = typer.Option(False, "--json", help="print the manifest as JSON"),
 ) -> None:
-    from vsnap.image.manifest import (  # here, not at import: every vsnap command loads every command module
-        WEIGHTS_DIR,
-        read_manifest,
-    )
-    manifest = read_manifest(image)
+    # here, not at import: every vsnap command loads every command module
+    from vsnap.image.handle import open_image
+    from vsnap.image.manifest import WEIGHTS_DIR
+
+    manifest = open_image(image, trusted=False, lock=False).manifest  # shown, never acted on
     if as_json:
         _render.print_json("inspect", {"image": str(image), "manifest": manifest.model_dump(mode="json")})
         return

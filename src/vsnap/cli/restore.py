@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import typer
 
 if TYPE_CHECKING:
-    from vsnap.ops import restore as _restore
+    from vsnap.ops.bringup import RestoredServer
 
 from . import _app as app
 from . import _render, error_boundary
@@ -35,18 +35,20 @@ def restore(
                                                           "memory only, until `vsnap activate INSTANCE`"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON document on stdout"),
 ) -> None:
-    from vsnap.host import gpu_early as _gpu_early
+    from vsnap.host import gpu_early
 
-    _gpu_early.start()  # the CUDA driver starts while the restore path is imported
+    gpu_early.start()  # the CUDA driver starts while the restore path is imported
+    # here, not at import: every vsnap command loads every command module
     from vsnap.host.proctree import seconds_since_start
-    from vsnap.ops import restore as _restore  # here, not at import: every vsnap command loads every command module
+    from vsnap.ops.restore import restore_image, wait_server
+    from vsnap.ops.stop import stop_server
     from vsnap.protocol.errors import EngineError
 
     started_s = seconds_since_start()  # the interpreter's start and the imports, before any phase
     progress = _render.PhaseProgress()
     try:
-        server = _restore.restore_image(image, host=host, port=port, gpu=gpu, rehash=rehash, lazy_pages=lazy_pages,
-                                         standby=standby, on_event=progress)
+        server = restore_image(image, host=host, port=port, gpu=gpu, rehash=rehash, lazy_pages=lazy_pages,
+                               standby=standby, on_event=progress)
     finally:
         progress.close()
     if not as_json:
@@ -68,15 +70,15 @@ def restore(
     if not as_json:
         _render.stderr.print("Ctrl-C stops the " + ("standby (and the server it becomes)" if standby else "server"))
     try:
-        _restore.wait_server(server.pid)
+        wait_server(server.pid)
     except KeyboardInterrupt:
         _render.stderr.print("stopping the server…")
-        _restore.stop_server(server)
+        stop_server(server)
         raise
     raise EngineError("serve", "EngineExited", "the server exited", log_path=server.engine_log)
 
 
-def serving_document(server: _restore.RestoredServer, started_s: float) -> dict[str, Any]:
+def serving_document(server: RestoredServer, started_s: float) -> dict[str, Any]:
     """What `vsnap restore --json` and `vsnap activate --json` both say of a server that serves."""
     return {
         "pid": server.pid, "url": server.url, "host": server.host, "port": server.port,
@@ -86,14 +88,14 @@ def serving_document(server: _restore.RestoredServer, started_s: float) -> dict[
     }
 
 
-def serving_line(server: _restore.RestoredServer) -> str:
+def serving_line(server: RestoredServer) -> str:
     return (f"instance {server.instance_id} serving {server.url} (pid {server.pid}"
             f"{', GPU ' + server.gpu if server.gpu else ''}"
             f"{', weights from the ' + server.weights_source if server.weights_source else ''}); "
             f"engine log {server.engine_log}")
 
 
-def _report_standby(server: _restore.RestoredServer, as_json: bool, detach: bool, started_s: float) -> None:
+def _report_standby(server: RestoredServer, as_json: bool, detach: bool, started_s: float) -> None:
     memory = server.memory_bytes or 0
     if as_json:
         _render.print_json("restore", {

@@ -17,9 +17,11 @@ def stop(
     target: str = typer.Argument(..., help="image directory or instance id"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON document on stdout"),
 ) -> None:
+    # here, not at import: every vsnap command loads every command module
     from vsnap.host.instances import running_instances
-    from vsnap.ops import restore as _restore  # here, not at import: every vsnap command loads every command module
+    from vsnap.ops.stop import stop_server
     from vsnap.protocol.errors import NothingRunning, UnknownInstance
+
     running = running_instances()
     if not running:
         raise NothingRunning(f"no vsnap instance is running (nothing to stop for {target})")
@@ -29,7 +31,7 @@ def stop(
         ids = ", ".join(r.id for r in running[:5]) + (f" and {len(running) - 5} more" if len(running) > 5 else "")
         raise UnknownInstance(target, hint=f"running: {ids} (vsnap ps shows them)")
     for record in chosen:
-        _restore.stop_server(record)
+        stop_server(record)
     if as_json:
         _render.print_json("stop", {"stopped": [{"id": r.id, "pid": r.pid} for r in chosen]})
     else:

@@ -25,7 +25,7 @@ CRIU_DIR = "criu"
 SHM_DIR = "shm"
 # private directories of a vLLM tree inside its control directory (IPC sockets, TMPDIR)
 TREE_DIRS = ("rpc", "tmp")
-WEIGHTS_DIR = "weights"  # vllm: the loaded parameters, one flat file per rank (engine/adapters/vllm_weights.py)
+WEIGHTS_DIR = "weights"  # vllm: the loaded parameters, one flat file per rank (engine/adapters/vllm/weights/)
 LOGS_DIR = "logs"
 DUMP_LOG = "logs/dump.log"
 ENGINE_LOG = "logs/engine.log"

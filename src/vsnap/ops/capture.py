@@ -1,8 +1,10 @@
 """capture_image(): boot the engine tree to its barrier, checkpoint it with CRIU, publish the image.
 
-Phases: preflight, launch, boot engine (to ready.json), criu dump, publish. On every exit path
-that is not success the tree is killed, the staging directory removed, and no image appears
-under the final name (an older image there stays untouched).
+Phases: preflight, prepare model, launch, boot engine (to ready.json), cuda checkpoint (vLLM on
+CUDA), criu dump, publish; capture_image reads as them, one function each. The boot is
+ops/tree's, the one a bench's cold start uses too. On every exit path that is not success the
+tree is killed, the staging directory removed, and no image appears under the final name (an
+older image there stays untouched).
 """
 
 from __future__ import annotations
@@ -22,27 +24,11 @@ from vsnap.host.criu.options import DumpOptions, external_mounts
 from vsnap.host.criu.runner import CriuRunner
 from vsnap.host.events import ProgressCallback, Timings
 from vsnap.host.facts import host_facts, require_host, vllm_device
-from vsnap.host.instances import (
-    CaptureRecord,
-    new_instance_dir,
-    prune_dead_runs,
-    register_capture,
-    this_process,
-    unregister_capture,
-)
+from vsnap.host.instances import CaptureRecord, prune_dead_runs, register_capture, this_process, unregister_capture
 from vsnap.host.netns import NETNS_KEY, netns_inode
 from vsnap.host.paths import require_runtime_dir, require_safe_directory
-from vsnap.host.proctree import (
-    LaunchedTree,
-    is_same,
-    kill_tree,
-    launch_tree,
-    mapped_and_open_files,
-    open_device_files,
-    tree_pids,
-    wait_gone,
-)
-from vsnap.host.shm import SHM, instance_shm_dir, remove_instance_shm, tree_shm_files
+from vsnap.host.proctree import LaunchedTree, is_same, mapped_and_open_files, open_device_files, tree_pids, wait_gone
+from vsnap.host.shm import SHM, tree_shm_files
 from vsnap.host.trust import copy_no_follow, make_trusted_dirs, require_trusted_ancestors, require_trusted_model
 from vsnap.image.manifest import (
     CRIU_DIR,
@@ -54,6 +40,7 @@ from vsnap.image.manifest import (
     TREE_DIRS,
     WEIGHTS_DIR,
     Dependency,
+    FileEntry,
     HostFacts,
     ImageLaunch,
     Manifest,
@@ -71,13 +58,12 @@ from vsnap.image.store import (
     sha256_file,
 )
 from vsnap.protocol import control
-from vsnap.protocol.control import ErrorReport, LaunchConfig, Ready
-from vsnap.protocol.errors import CheckpointError, CriuError, EngineError, HostNotReady, ImageError, ProcessTreeError
+from vsnap.protocol.control import LaunchConfig, Ready
+from vsnap.protocol.errors import CheckpointError, CriuError, HostNotReady, ImageError, ProcessTreeError
 from vsnap.protocol.version import PROTOCOL_VERSION
 from vsnap.spec.schema import ModelSpec
 
-DEFAULT_MODEL_ROOT = Path("/var/lib/vsnap/models")
-CPU_MODEL_NAME = "cpu-tiny-v1"
+from .tree import BootedTree, boot_tree, launch_config, new_tree_instance, resolve_model
 
 
 @dataclass(frozen=True)
@@ -89,84 +75,257 @@ class CaptureResult:
     engine_log: Path
 
 
-def resolve_model(spec: ModelSpec) -> Path:
-    """The model directory, checked root's alone and resolved (the real path is what the image
-    records and the engine reopens); for the cpu engine without one, vsnap writes its tiny model once."""
-    if spec.model is not None:
-        return require_trusted_model(Path(spec.model))
-    directory = DEFAULT_MODEL_ROOT / CPU_MODEL_NAME
-    if (directory / "config.json").is_file() and (directory / "model.safetensors").is_file():
-        return directory
-    from vsnap.engine.adapters.cpu import model as cpu_model  # imports torch: only when the model must be written
+def capture_image(spec: ModelSpec, *, image_dir: Path | None = None, force: bool = False,
+                  env: dict[str, str] | None = None, on_event: ProgressCallback | None = None) -> CaptureResult:
+    """Boot ``spec``'s engine, checkpoint it at the barrier and publish the image (``env``: more
+    environment for the tree, e.g. a compile cache).
 
-    return cpu_model.write_model(directory)
-
-
-def launch_config(spec: ModelSpec, model_dir: Path) -> LaunchConfig:
-    return LaunchConfig(
-        engine=spec.engine, model=str(model_dir), served_model_name=spec.served_model_name,
-        serve_args=dict(spec.serve), oracle_prompts=list(spec.oracle.prompts),
-        oracle_max_tokens=spec.oracle.max_tokens, oracle_top_k=spec.oracle.top_k,
-        oracle_tolerance=spec.oracle.tolerance, timeout_s=spec.snapshot.timeout_s,
-        # the GPU path still relies on kernel.io_uring_disabled=2 (checked in preflight) until the
-        # filter has been measured there; every CPU tree (the cpu engine, vLLM's CPU backend) gets it
-        block_io_uring=spec.engine == "cpu" or vllm_device() == "cpu", **control.stamp(),
-    )
-
-
-VLLM_CACHE_ROOT = "/var/cache/vsnap/vllm"
-# directories of a vLLM tree's control directory (each instance has its own): vLLM's IPC sockets, TMPDIR
-
-
-def tree_environment(control_dir: Path, instance_dir: Path, engine: str = "cpu") -> dict[str, str]:
-    """The tree's environment: the caller's, plus what makes it checkpointable (set by vsnap, not the user).
-
-    ``control_dir`` is the path the tree sees; ``instance_dir`` the host directory bound there.
+    What may stand at the image path is checked before the boot (nothing, or with ``force`` a
+    vsnap image: never a link or an ordinary directory). Every resource is released on every exit
+    path (host/cleanup): the tree, the staging directory, the tree's /dev/shm directory, the record.
     """
-    env = dict(os.environ)
-    env.update({"PYTHONUNBUFFERED": "1", "VSNAP_CONTROL_DIR": str(control_dir),
-                "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
-    if engine == "cpu":
-        env["OMP_NUM_THREADS"] = "1"
-    else:
-        for name in TREE_DIRS:
-            (instance_dir / name).mkdir(mode=0o700, exist_ok=True)
-        if vllm_device() == "cpu":  # not yet run on the GPU path, which keeps io_uring out by sysctl
-            env.update({
-                "TMPDIR": str(control_dir / "tmp"),  # per instance: vLLM's FileStore and the like never collide
-                "USE_LIBUV": "0",  # torch's TCP rendezvous without libuv (which would make an io_uring)
-            })
-        env.update({
-            "VLLM_WORKER_MULTIPROC_METHOD": "spawn",  # fork would copy a CUDA context
-            "VLLM_HOST_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-            "VLLM_RPC_BASE_PATH": str(control_dir / "rpc"),  # IPC sockets in the per-instance directory
-            "NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo",
-            "TORCH_NCCL_ENABLE_MONITORING": "0",
-            "UV_USE_IO_URING": "0",  # CRIU cannot dump io_uring
-        })
-        env.setdefault("VLLM_CACHE_ROOT", VLLM_CACHE_ROOT)  # compile cache survives between captures
-    src = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return env
+    image_dir = Path(image_dir or spec.image_dir).absolute()
+    timings = Timings(on_event)
+    runner = _preflight(spec, image_dir, force, timings)
+    prune_dead_runs()
+    with image_lock(image_dir), Cleanup() as cleanup:
+        require_replaceable(image_dir, force)  # again, now that we hold the lock
+        remove_stale_staging(image_dir)
+        boot = _boot(spec, image_dir, env, cleanup, timings)
+        found = _survey(boot)
+        frozen = _checkpoint(boot, found, timings)
+        _dump(runner, boot, found, frozen, timings)
+        shm_files = _write_image(boot)
+        manifest, image_bytes = _publish(boot, found, frozen, shm_files, timings)
+    return CaptureResult(image_dir, manifest, dict(timings.seconds), image_bytes, image_dir / ENGINE_LOG)
 
 
-def wait_ready(tree: LaunchedTree, control_dir: Path, timeout_s: float) -> Ready:
-    log = control_dir / control.ENGINE_LOG
+def _preflight(spec: ModelSpec, image_dir: Path, force: bool, timings: Timings) -> CriuRunner:
+    """Everything that can refuse the capture before anything is made or booted; the CRIU to dump with."""
+    with timings.phase("preflight"):
+        require_runtime_dir()
+        require_safe_directory(str(image_dir), "the image")
+        require_host(spec.engine)
+        runner = CriuRunner.locate()
+        check_parent(image_dir)
+        require_trusted_ancestors(spec.control_dir)
+        require_replaceable(image_dir, force)
+        if spec.model is not None:
+            require_trusted_model(Path(spec.model))  # before the boot; resolve_model checks again
+        if spec.engine == "vllm":
+            from vsnap.spec.vllm_check import require_supported_args
 
-    def probe() -> Ready | None:
-        ready = control.read_message(control_dir, control.READY, Ready)
-        if ready is not None:
-            return ready
-        report = control.read_message(control_dir, control.ERROR, ErrorReport)
-        if report is not None:
-            raise EngineError(report.phase, report.type, report.message, log_path=log)
-        if tree.unshare.poll() is not None:
-            raise EngineError("boot engine", "EngineExited",
-                              f"the engine tree exited with code {tree.unshare.returncode} before it was ready",
-                              log_path=log)
-        return None
+            require_supported_args(spec)
+    return runner
 
-    return control.wait_until(probe, timeout_s=timeout_s, phase="boot engine", interval_s=0.05, log_path=log)
+
+@dataclass(frozen=True)
+class Boot:
+    """A capture's tree, parked at its barrier, and what its boot settled."""
+
+    spec: ModelSpec
+    image_dir: Path
+    staging: Path  # the image being written, published under image_dir at the end
+    model_dir: Path
+    launch: LaunchConfig
+    tp: int  # ranks, one GPU each on CUDA
+    cuda: bool  # vLLM on CUDA: the GPU state goes through a CUDA checkpoint
+    booted: BootedTree
+    ready: Ready  # what the tree wrote at its barrier (its oracle among it)
+
+    @property
+    def tree(self) -> LaunchedTree:
+        return self.booted.tree
+
+    @property
+    def work(self) -> Path:
+        """This capture's instance directory, bound at the control directory inside the tree."""
+        return self.booted.instance.work
+
+
+def _boot(spec: ModelSpec, image_dir: Path, extra_env: dict[str, str] | None, cleanup: Cleanup,
+          timings: Timings) -> Boot:
+    """The tree booted to its barrier (ops/tree), with what a capture adds before the launch: its
+    staging directory (removed on failure), its record (a later run clears what a killed capture
+    left: the staging and /dev/shm directories), the weights file the engine writes into the
+    staging directory (vLLM on CUDA, ``snapshot.weights: image``), the GPUs the ranks run on."""
+    with timings.phase("prepare model"):
+        model_dir = resolve_model(spec)
+    control_dir = spec.control_dir
+    make_trusted_dirs(control_dir)
+    instance = new_tree_instance(control_dir, "capture", cleanup)  # bound there: this capture's files
+    staging = make_staging(image_dir)
+    cleanup.on_failure(shutil.rmtree, staging, True)
+    register_capture(CaptureRecord(id=instance.id, owner=this_process(), image=str(image_dir),
+                                   staging=str(staging), shm_dir=str(instance.shm_dir), started_at=time.time()))
+    cleanup.on_exit(unregister_capture, instance.id)
+    launch = launch_config(spec, model_dir)
+    cuda = spec.engine == "vllm" and vllm_device() == "cuda"
+    if cuda and spec.snapshot.weights == "image":  # the engine writes it
+        launch = launch.model_copy(update={"weights_dir": str(staging / WEIGHTS_DIR)})
+    tp = tensor_parallel_size(spec)
+    env = dict(extra_env or {})
+    if cuda:
+        env = gpu_environment(env, tp)
+    booted = boot_tree(control_dir, instance, launch, cleanup, env=env, timings=timings)
+    assert booted.ready is not None  # snapshot mode: boot_tree waited for ready.json
+    return Boot(spec, image_dir, staging, model_dir, launch, tp, cuda, booted, booted.ready)
+
+
+def gpu_environment(env: dict[str, str], tp: int) -> dict[str, str]:
+    """``env`` with the GPUs the ranks run on: CUDA_VISIBLE_DEVICES as the caller gave it (in
+    ``env``, else in vsnap's own environment, which the tree inherits), else the first ``tp`` GPUs
+    by UUID; at least one GPU per rank either way."""
+    visible = env.get("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES"))
+    if visible is None:
+        visible = ",".join(capture_gpu_uuids(tp))
+    require_visible_gpus(visible, tp)
+    return {**env, "CUDA_VISIBLE_DEVICES": visible}
+
+
+@dataclass(frozen=True)
+class TreeFacts:
+    """What the image records of the parked tree and its host, gathered before anything is frozen."""
+
+    pids: list[int]
+    dependencies: list[Dependency]
+    externals: dict[str, str]  # CRIU's external mounts: key -> mount point
+    control_key: str
+    shm_key: str
+    facts: HostFacts
+    gpu_uuids: list[str]  # rank order; empty off CUDA
+
+
+def _survey(boot: Boot) -> TreeFacts:
+    """The tree's processes, the host files it depends on, its external mounts (the control
+    directory and /dev/shm, which a restore binds again), the host's facts and the ranks' GPUs."""
+    tree, spec, tp = boot.tree, boot.spec, boot.tp
+    pids = tree_pids(tree.root_pid)
+    dependencies = _dependencies(pids, boot.model_dir, spec.control_dir)
+    with open(f"/proc/{tree.root_pid}/mountinfo") as f:
+        externals = external_mounts(f.read())
+    control_key = next((k for k, mountpoint in externals.items() if mountpoint == str(spec.control_dir)), None)
+    shm_key = next((k for k, mountpoint in externals.items() if mountpoint == str(SHM)), None)
+    if control_key is None or shm_key is None:
+        raise ProcessTreeError(tree.root_pid, f"the tree lacks its mounts at {spec.control_dir} and {SHM}",
+                               phase="boot engine", log_path=boot.work / control.ENGINE_LOG)
+    env = boot.booted.env
+    facts = host_facts(spec.engine, visible=recorded_visible(env))
+    gpu_uuids = [str(g["uuid"]) for g in facts.gpus[:tp]] if boot.cuda else []  # rank order
+    if boot.cuda and len(gpu_uuids) < tp:
+        raise HostNotReady("gpu", f"CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES'][:200]!r}: vsnap finds "
+                                  f"{len(gpu_uuids)} of the {tp} GPU(s) the ranks run on by UUID or index",
+                           hint="name the GPUs by UUID (nvidia-smi -L), or unset it (vsnap takes the first)")
+    if boot.cuda:
+        require_one_gpu_model(facts.gpus[:tp])
+    return TreeFacts(pids, dependencies, externals, control_key, shm_key, facts, gpu_uuids)
+
+
+@dataclass(frozen=True)
+class Frozen:
+    """The tree ready for CRIU: the processes whose CUDA state was checkpointed, and each process
+    as CRIU will write it (its anonymous memory, and the GPU memory the CUDA checkpoint moved)."""
+
+    cuda_pids: list[int]
+    processes: list[dict[str, Any]]
+
+
+def _checkpoint(boot: Boot, found: TreeFacts, timings: Timings) -> Frozen:
+    """The tree checked still parked, then (vLLM on CUDA) its GPU state moved into its host memory
+    by the CUDA checkpoint, with no GPU device file left open for CRIU to trip on."""
+    (boot.staging / CRIU_DIR).mkdir()
+    (boot.staging / "logs").mkdir()
+    cuda_pids: list[int] = []
+    gpu_bytes: dict[int, int] = {}
+    require_parked(boot.tree, boot.work, boot.ready)
+    if boot.cuda:
+        from vsnap.host.cuda import CudaCheckpoint, gpu_memory_by_pid
+
+        gpu_bytes = gpu_memory_by_pid()  # what each process's CUDA checkpoint will move
+        with timings.phase("cuda checkpoint"):
+            cuda = CudaCheckpoint()
+            cuda_pids = cuda.cuda_pids(found.pids)
+            cuda.checkpoint(cuda_pids)
+            require_no_gpu_files(found.pids, boot.work)
+    processes = [{**process_memory(pid), **({"gpu_bytes": gpu_bytes[pid]} if pid in gpu_bytes else {})}
+                 for pid in found.pids]  # after the CUDA checkpoint: what CRIU writes
+    return Frozen(cuda_pids, processes)
+
+
+def _dump(runner: CriuRunner, boot: Boot, found: TreeFacts, frozen: Frozen, timings: Timings) -> None:
+    """CRIU writes the tree into the staging directory and the tree ends with the dump."""
+    tree, staging, work = boot.tree, boot.staging, boot.work
+    with timings.phase("criu dump"):
+        require_space(staging, frozen.processes)
+        require_parked(tree, work, boot.ready)
+        try:
+            runner.dump(DumpOptions(pid=tree.root_pid, images_dir=staging / CRIU_DIR,
+                                    log_file=staging / DUMP_LOG, externals=found.externals,
+                                    external_netns=(netns_inode(tree.root_pid), NETNS_KEY)))
+        except CriuError as error:
+            raise dump_failure(error, staging, work) from None
+        left = wait_gone(found.pids, 30)
+        if left:
+            raise ImageError(f"processes {left} of the tree survived the dump")
+        tree.unshare.wait(timeout=30)
+        # what the image holds is the tree as it was at the dump: nothing may have reached
+        # its control directory until then (an activation read just before the freeze)
+        require_parked_files(work)
+
+
+def _write_image(boot: Boot) -> list[str]:
+    """Beside CRIU's files: the files the tree left in its /dev/shm (moved into the image) and the
+    engine's log; the names of the /dev/shm files."""
+    shm_dir, staging = boot.booted.instance.shm_dir, boot.staging
+    shm_files = tree_shm_files(shm_dir)
+    if shm_files:
+        (staging / SHM_DIR).mkdir()
+        for name in shm_files:  # sparse copies: vLLM's shared-memory rings are mostly holes
+            copy_no_follow(shm_dir / name, staging / SHM_DIR / name)
+            os.unlink(shm_dir / name)
+    shutil.copy2(boot.work / control.ENGINE_LOG, staging / ENGINE_LOG)
+    return shm_files
+
+
+def _publish(boot: Boot, found: TreeFacts, frozen: Frozen, shm_files: list[str],
+             timings: Timings) -> tuple[Manifest, int]:
+    """Every file hashed into the manifest, the staging directory renamed to the image's name once
+    no restore reads the old image there; the manifest and the image's size."""
+    staging, image_dir = boot.staging, boot.image_dir
+    with timings.phase("publish"):
+        files = checksum_tree(staging)
+        image_bytes = sum(entry.size for entry in files.values())
+        manifest = _manifest(boot, found, frozen, shm_files, files, timings)
+        control.write_atomic(staging, MANIFEST, manifest.model_dump_json(indent=2).encode())
+        with image_read_lock(image_dir, exclusive=True):  # no restore is reading the old image
+            publish(staging, image_dir)
+        # just hashed: the first restore need not hash the files again
+        verified.remember(image_dir, {rel: (os.lstat(image_dir / rel), entry.digest)
+                                      for rel, entry in files.items()})
+    return manifest, image_bytes
+
+
+def _manifest(boot: Boot, found: TreeFacts, frozen: Frozen, shm_files: list[str], files: dict[str, FileEntry],
+              timings: Timings) -> Manifest:
+    """The image's manifest (the timings: the phases so far, publish not yet among them)."""
+    spec, ready, facts = boot.spec, boot.ready, found.facts
+    return Manifest(
+        format_version=FORMAT_VERSION, protocol_version=PROTOCOL_VERSION,
+        vsnap_version=facts.vsnap,
+        created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        name=spec.name, engine=spec.engine, spec=spec.model_dump(mode="json"),
+        launch=ImageLaunch.of(boot.launch),
+        control_dir=str(spec.control_dir), control_mount_key=found.control_key, shm_mount_key=found.shm_key,
+        netns_key=NETNS_KEY, oracle=ready.oracle, host=facts,
+        externals=found.externals, shm_files=shm_files, cuda_processes=len(frozen.cuda_pids),
+        tensor_parallel_size=boot.tp, gpu_uuids=found.gpu_uuids,
+        gpu_memory_required=gpu_memory_required(spec, facts), dependencies=found.dependencies,
+        timings={**timings.seconds, "engine_boot_to_ready": ready.times.get("prepared", 0)
+                 - ready.times.get("start", 0)},
+        sizes={"image_bytes": sum(entry.size for entry in files.values()),
+               "criu_bytes": sum(e.size for k, e in files.items() if k.startswith(CRIU_DIR + "/"))},
+        files=files, processes=frozen.processes,
+    )
 
 
 def _dependencies(pids: list[int], model_dir: Path, control_dir: Path) -> list[Dependency]:
@@ -261,151 +420,6 @@ def require_parked(tree: LaunchedTree, work: Path, ready: Ready) -> None:
                               hint="capture again; nothing was published", log_path=log)
 
 
-def capture_image(spec: ModelSpec, *, image_dir: Path | None = None, force: bool = False,
-                  env: dict[str, str] | None = None, on_event: ProgressCallback | None = None) -> CaptureResult:
-    """Boot ``spec``'s engine, checkpoint it at the barrier and publish the image (``env``: more
-    environment for the tree, e.g. a compile cache).
-
-    What may stand at the image path is checked before the boot (nothing, or with ``force`` a
-    vsnap image: never a link or an ordinary directory). Every resource is released on every exit
-    path (_cleanup): the tree, the staging directory, the tree's /dev/shm directory, the record.
-    """
-    extra_env = env
-    image_dir = Path(image_dir or spec.image_dir).absolute()
-    control_dir = spec.control_dir
-    timings = Timings(on_event)
-    with timings.phase("preflight"):
-        require_runtime_dir()
-        require_safe_directory(str(image_dir), "the image")
-        require_host(spec.engine)
-        runner = CriuRunner.locate()
-        check_parent(image_dir)
-        require_trusted_ancestors(control_dir)
-        require_replaceable(image_dir, force)
-        if spec.model is not None:
-            require_trusted_model(Path(spec.model))  # before the boot; resolve_model checks again
-        if spec.engine == "vllm":
-            from vsnap.spec.vllm_check import require_supported_args
-
-            require_supported_args(spec)
-    prune_dead_runs()
-    with image_lock(image_dir), Cleanup() as cleanup:
-        require_replaceable(image_dir, force)  # again, now that we hold the lock
-        remove_stale_staging(image_dir)
-        with timings.phase("prepare model"):
-            model_dir = resolve_model(spec)
-        control.ensure_private_dir(make_trusted_dirs(control_dir))  # the mount point inside the tree
-        instance_id, work = new_instance_dir(control_dir, "capture")  # bound there: this capture's files
-        cleanup.on_success(shutil.rmtree, work, True)  # a failed capture keeps it: the logs its error names
-        shm_dir = instance_shm_dir(instance_id)  # bound at /dev/shm in the tree
-        cleanup.on_exit(remove_instance_shm, shm_dir)
-        staging = make_staging(image_dir)
-        cleanup.on_failure(shutil.rmtree, staging, True)
-        register_capture(CaptureRecord(id=instance_id, owner=this_process(), image=str(image_dir),
-                                       staging=str(staging), shm_dir=str(shm_dir), started_at=time.time()))
-        cleanup.on_exit(unregister_capture, instance_id)
-        launch = launch_config(spec, model_dir)
-        if spec.engine == "vllm" and spec.snapshot.weights == "image" and vllm_device() == "cuda":  # the engine writes it
-            launch = launch.model_copy(update={"weights_dir": str(staging / WEIGHTS_DIR)})
-        control.write_message(work, control.LAUNCH, launch)
-        env = {**tree_environment(control_dir, work, spec.engine), **(extra_env or {})}
-        cuda = spec.engine == "vllm" and vllm_device() == "cuda"
-        tp = tensor_parallel_size(spec)
-        if cuda:
-            env.setdefault("CUDA_VISIBLE_DEVICES", ",".join(capture_gpu_uuids(tp)))
-            require_visible_gpus(env["CUDA_VISIBLE_DEVICES"], tp)
-        heartbeat = control.OwnerHeartbeat(work).start()
-        cleanup.on_exit(heartbeat.stop)
-        with timings.phase("launch"):
-            tree = launch_tree(control_dir, work, shm_dir, env,
-                               adopt=lambda launched: cleanup.on_failure(end_launched_tree, launched))
-        with timings.phase("boot engine"):
-            ready = wait_ready(tree, work, spec.snapshot.timeout_s)
-        pids = tree_pids(tree.root_pid)
-        dependencies = _dependencies(pids, model_dir, control_dir)
-        with open(f"/proc/{tree.root_pid}/mountinfo") as f:
-            externals = external_mounts(f.read())
-        control_key = next((k for k, mountpoint in externals.items() if mountpoint == str(control_dir)), None)
-        shm_key = next((k for k, mountpoint in externals.items() if mountpoint == str(SHM)), None)
-        if control_key is None or shm_key is None:
-            raise ProcessTreeError(tree.root_pid, f"the tree lacks its mounts at {control_dir} and {SHM}",
-                                   phase="boot engine", log_path=work / control.ENGINE_LOG)
-        facts = host_facts(spec.engine, visible=recorded_visible(env))
-        gpu_uuids = [str(g["uuid"]) for g in facts.gpus[:tp]] if cuda else []  # rank order
-        if cuda and len(gpu_uuids) < tp:
-            raise HostNotReady("gpu", f"CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES'][:200]!r}: vsnap finds "
-                                      f"{len(gpu_uuids)} of the {tp} GPU(s) the ranks run on by UUID or index",
-                               hint="name the GPUs by UUID (nvidia-smi -L), or unset it (vsnap takes the first)")
-        if cuda:
-            require_one_gpu_model(facts.gpus[:tp])
-        (staging / CRIU_DIR).mkdir()
-        (staging / "logs").mkdir()
-        cuda_pids: list[int] = []
-        gpu_bytes: dict[int, int] = {}
-        require_parked(tree, work, ready)
-        if cuda:
-            from vsnap.host.cuda import CudaCheckpoint, gpu_memory_by_pid
-
-            gpu_bytes = gpu_memory_by_pid()  # what each process's CUDA checkpoint will move
-            with timings.phase("cuda checkpoint"):
-                cuda = CudaCheckpoint()
-                cuda_pids = cuda.cuda_pids(pids)
-                cuda.checkpoint(cuda_pids)
-                require_no_gpu_files(pids, work)
-        processes = [{**process_memory(pid), **({"gpu_bytes": gpu_bytes[pid]} if pid in gpu_bytes else {})}
-                     for pid in pids]  # after the CUDA checkpoint: what CRIU writes
-        with timings.phase("criu dump"):
-            require_space(staging, processes)
-            require_parked(tree, work, ready)
-            try:
-                runner.dump(DumpOptions(pid=tree.root_pid, images_dir=staging / CRIU_DIR,
-                                        log_file=staging / DUMP_LOG, externals=externals,
-                                        external_netns=(netns_inode(tree.root_pid), NETNS_KEY)))
-            except CriuError as error:
-                raise dump_failure(error, staging, work) from None
-            left = wait_gone(pids, 30)
-            if left:
-                raise ImageError(f"processes {left} of the tree survived the dump")
-            tree.unshare.wait(timeout=30)
-            # what the image holds is the tree as it was at the dump: nothing may have reached
-            # its control directory until then (an activation read just before the freeze)
-            require_parked_files(work)
-        shm_files = tree_shm_files(shm_dir)
-        if shm_files:
-            (staging / SHM_DIR).mkdir()
-            for name in shm_files:  # sparse copies: vLLM's shared-memory rings are mostly holes
-                copy_no_follow(shm_dir / name, staging / SHM_DIR / name)
-                os.unlink(shm_dir / name)
-        shutil.copy2(work / control.ENGINE_LOG, staging / ENGINE_LOG)
-        with timings.phase("publish"):
-            files = checksum_tree(staging)
-            image_bytes = sum(entry.size for entry in files.values())
-            manifest = Manifest(
-                format_version=FORMAT_VERSION, protocol_version=PROTOCOL_VERSION,
-                vsnap_version=facts.vsnap,
-                created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                name=spec.name, engine=spec.engine, spec=spec.model_dump(mode="json"),
-                launch=ImageLaunch.of(launch),
-                control_dir=str(control_dir), control_mount_key=control_key, shm_mount_key=shm_key,
-                netns_key=NETNS_KEY, oracle=ready.oracle, host=facts,
-                externals=externals, shm_files=shm_files, cuda_processes=len(cuda_pids),
-                tensor_parallel_size=tp, gpu_uuids=gpu_uuids,
-                gpu_memory_required=gpu_memory_required(spec, facts), dependencies=dependencies,
-                timings={**timings.seconds, "engine_boot_to_ready": ready.times.get("prepared", 0)
-                         - ready.times.get("start", 0)},
-                sizes={"image_bytes": image_bytes,
-                       "criu_bytes": sum(e.size for k, e in files.items() if k.startswith(CRIU_DIR + "/"))},
-                files=files, processes=processes,
-            )
-            control.write_atomic(staging, MANIFEST, manifest.model_dump_json(indent=2).encode())
-            with image_read_lock(image_dir, exclusive=True):  # no restore is reading the old image
-                publish(staging, image_dir)
-            # just hashed: the first restore need not hash the files again
-            verified.remember(image_dir, {rel: (os.lstat(image_dir / rel), entry.digest)
-                                          for rel, entry in files.items()})
-    return CaptureResult(image_dir, manifest, dict(timings.seconds), image_bytes, image_dir / ENGINE_LOG)
-
-
 def require_parked_files(work: Path) -> None:
     """Nothing in the control directory but what a parked tree has (checked before the CUDA
     checkpoint, before the dump and after it: the image holds the tree as it was at the freeze)."""
@@ -418,16 +432,6 @@ def require_parked_files(work: Path) -> None:
                 f"{entry.path} appeared in the capturing tree's control directory; only vsnap writes there, and the "
                 "tree may have gone past its barrier", phase="criu dump", log_path=work / control.ENGINE_LOG,
                 hint="capture again, and let nothing else write into the control directory; nothing was published")
-
-
-def end_launched_tree(tree: LaunchedTree) -> None:
-    """Kill a launched tree and its `unshare` parent; bounded waits."""
-    try:
-        kill_tree(tree.identity)
-    finally:
-        if tree.unshare.poll() is None:
-            tree.unshare.kill()
-        tree.unshare.wait(timeout=30)
 
 
 def tensor_parallel_size(spec: ModelSpec) -> int:

@@ -9,8 +9,8 @@ from vsnap.host.facts import Check, preflight, run_check
 from vsnap.host.trust import require_trusted_ancestors, require_trusted_model, require_trusted_tree
 from vsnap.host.verified import VERIFIED_DIR
 from vsnap.image.compat import host_differences
-from vsnap.image.manifest import MANIFEST, read_manifest
-from vsnap.image.store import verify_files
+from vsnap.image.handle import open_image
+from vsnap.image.manifest import MANIFEST
 from vsnap.protocol.errors import ImageHostMismatch, VsnapError
 from vsnap.spec.schema import load_spec
 
@@ -78,16 +78,17 @@ def _validate_image(image_dir: Path) -> ValidationReport:
     report.checks.append(trust)
     if not trust.ok:
         return report
-    try:
-        manifest = read_manifest(image_dir)
+    try:  # (trust was just checked, on its own line; no lock: validating holds off no capture)
+        image = open_image(image_dir, trusted=False, lock=False)
     except VsnapError as exc:
         report.checks.append(Check("manifest", False, exc.message, exc))
         return report
+    manifest = image.manifest
     report.checks.append(Check("manifest", True, f"{manifest.name}: engine {manifest.engine}, "
                                                  f"captured {manifest.created_at} on {manifest.host.hostname}"))
     # every file hashed; the result is remembered, so a restore right after need not hash again
     files = run_check("image files", lambda: (
-        verify_files(image_dir, manifest, cache_root=VERIFIED_DIR, rehash=True),
+        image.verify_files(rehash=True),
         f"{len(manifest.files)} files match their digests")[1])
     report.checks.append(files)
     if not files.ok:

@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import ContextManager, Iterable
 
 from vsnap.host.events import ProgressCallback, Timings, failpoint
-from vsnap.host.trust import open_following_only_roots_links, require_trusted_tree
-from vsnap.host.verified import VERIFIED_DIR
-from vsnap.image.manifest import MANIFEST, MAX_MANIFEST_BYTES, Manifest, read_manifest
-from vsnap.image.store import image_read_lock, sha256_file, verify_files
+from vsnap.host.trust import open_following_only_roots_links
+from vsnap.image.handle import open_image
+from vsnap.image.manifest import MANIFEST, MAX_MANIFEST_BYTES, Manifest
+from vsnap.image.store import sha256_file
 from vsnap.protocol.errors import ImageError, UsageError
 
 from .blobio import HashingIterator, checking, file_chunks, parallel, zstd_chunks
@@ -82,11 +82,12 @@ def push_image(image_dir: Path, reference: str | Reference, *, insecure: bool = 
                          hint="vsnap push IMAGE REGISTRY/REPOSITORY:TAG")
     image_dir = Path(image_dir).absolute()
     timings = Timings(on_event)
-    require_trusted_tree(image_dir)  # before its lock is made beside it or a byte of it is read
-    with image_read_lock(image_dir):  # a capture's publish waits until the push is done
+    # trust first (before its lock is made beside it or a byte of it is read); then a capture's
+    # publish waits until the push is done
+    with open_image(image_dir) as image:
+        manifest = image.manifest
         with timings.phase("verify image"):
-            manifest = read_manifest(image_dir)
-            verify_files(image_dir, manifest, cache_root=VERIFIED_DIR)
+            image.verify_files()
             config = read_manifest_bytes(image_dir)
             if Manifest.model_validate_json(config) != manifest:
                 raise ImageError(f"{image_dir / MANIFEST} changed while vsnap read it", hint="push again")
