@@ -21,6 +21,7 @@ from typer.core import TyperGroup
 
 from vsnap.host.paths import require_runtime_dir
 from vsnap.protocol.errors import UsageError, VsnapError
+from vsnap.protocol.version import PROTOCOL_VERSION, __version__
 
 from . import _render
 
@@ -101,8 +102,8 @@ _app = typer.Typer(
 
 def versions() -> dict[str, Any]:
     """vsnap's version, and the versions of the engine contract and the image format it speaks."""
-    from vsnap.image.manifest import FORMAT_VERSION
-    from vsnap.protocol.version import PROTOCOL_VERSION, __version__
+    from vsnap.image.manifest import FORMAT_VERSION  # only for --version: a command's start loads no image module
+
 
     return {"vsnap": __version__, "control_protocol": PROTOCOL_VERSION, "image_format": FORMAT_VERSION}
 

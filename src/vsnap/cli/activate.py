@@ -24,7 +24,7 @@ def activate(
                                                           "of their model with enough free memory)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON document on stdout"),
 ) -> None:
-    from vsnap.host import gpu_early
+    from vsnap.host import gpu_early  # light: it starts the driver before the restore path's imports
 
     gpu_early.start()  # the CUDA driver starts while the restore path is imported
     # here, not at import: every vsnap command loads every command module

@@ -32,11 +32,13 @@ def bench(
                                                                       "then `vsnap activate` to the first completion"),
     as_json: bool = typer.Option(False, "--json", help="print the record as JSON"),
 ) -> None:
-    from vsnap.ops.bench import run as _bench  # here, not at import: every vsnap command loads every command module
+    # here, not at import: every vsnap command loads every command module
+    from vsnap.ops.bench.run import run_bench
     from vsnap.spec.schema import load_spec
+
     progress = _render.PhaseProgress()
     try:
-        record = _bench.run_bench(load_spec(spec), runs=runs, cold_runs=cold_runs or None, lazy_pages=lazy_pages,
+        record = run_bench(load_spec(spec), runs=runs, cold_runs=cold_runs or None, lazy_pages=lazy_pages,
                                   standby=standby, out_dir=out, on_event=progress)
     finally:
         progress.close()

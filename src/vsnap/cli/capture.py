@@ -20,14 +20,16 @@ def capture(
     force: bool = typer.Option(False, "--force", help="replace an existing image once the new one is complete"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON document on stdout"),
 ) -> None:
-    from vsnap.ops import capture as _capture  # here, not at import: every vsnap command loads every command module
+    # here, not at import: every vsnap command loads every command module
+    from vsnap.ops.capture import capture_image
     from vsnap.spec.schema import load_spec
+
     # --image goes through the spec's own checks (absolute, no system directory, apart from the control dir)
     override = {"image": os.path.abspath(image)} if image is not None else None
     model_spec = load_spec(spec, overrides=override)
     progress = _render.PhaseProgress()
     try:
-        result = _capture.capture_image(model_spec, image_dir=model_spec.image_dir, force=force, on_event=progress)
+        result = capture_image(model_spec, image_dir=model_spec.image_dir, force=force, on_event=progress)
     finally:
         progress.close()
     if as_json:

@@ -11,7 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 if TYPE_CHECKING:
-    from vsnap.host import instances as _instances
+    from vsnap.host.instances import InstanceRecord
 
 from . import _app as app
 from . import _render, error_boundary
@@ -42,7 +42,7 @@ def address(url: str) -> str:
     return url.removeprefix("http://").rstrip("/") or "-"
 
 
-def ps_table(running: Iterable[_instances.InstanceRecord], gone: Iterable[_instances.InstanceRecord] = (),
+def ps_table(running: Iterable[InstanceRecord], gone: Iterable[InstanceRecord] = (),
              now: float | None = None) -> Table:
     """The instances, readable at 80 columns: the image path wraps, the rest stays on one line."""
     now = time.time() if now is None else now
@@ -63,26 +63,24 @@ def ps_table(running: Iterable[_instances.InstanceRecord], gone: Iterable[_insta
     return table
 
 
-def _records() -> tuple[list[_instances.InstanceRecord], list[_instances.InstanceRecord]]:
+def _records() -> tuple[list[InstanceRecord], list[InstanceRecord]]:
     """(running, gone): a record whose processes ended or whose PID now belongs to another process
     is gone: shown once, then pruned by the registry."""
-    from vsnap.host import instances as _instances
+    from vsnap.host.instances import instance_records  # not at import: every vsnap command loads every command module
 
-    return _instances.instance_records()
+    return instance_records()
 
 
 @app.command(help="List restored instances: id, image, GPU, address, pid, uptime (or restoring, gone); "
                   "--json has the full URLs.")
 @error_boundary
 def ps(as_json: bool = typer.Option(False, "--json", help="print one JSON document on stdout")) -> None:
-    from vsnap.host import (
-        instances as _instances,  # here, not at import: every vsnap command loads every command module
-    )
+    from vsnap.host.instances import uptime  # here, not at import: every vsnap command loads every command module
 
     running, gone = _records()
     if as_json:
         _render.print_json("ps", {
-            "instances": [{**r.model_dump(mode="json"), "uptime_s": _instances.uptime(r)} for r in running],
+            "instances": [{**r.model_dump(mode="json"), "uptime_s": uptime(r)} for r in running],
             "gone": [r.model_dump(mode="json") for r in gone],
         })
         return

@@ -35,7 +35,7 @@ def restore(
                                                           "memory only, until `vsnap activate INSTANCE`"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON document on stdout"),
 ) -> None:
-    from vsnap.host import gpu_early
+    from vsnap.host import gpu_early  # light: it starts the driver before the restore path's imports
 
     gpu_early.start()  # the CUDA driver starts while the restore path is imported
     # here, not at import: every vsnap command loads every command module

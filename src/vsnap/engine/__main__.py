@@ -17,7 +17,8 @@ import time
 import traceback
 from pathlib import Path
 
-from vsnap.protocol.control import ENGINE_LOG
+from vsnap.protocol import control
+from vsnap.protocol.control import ENGINE_LOG, owner_gone
 
 
 def _reopen_stdio(log_path: Path) -> None:
@@ -75,12 +76,10 @@ def reap_orphans_once(seen: dict[int, float], now: float, own: set[int]) -> list
 def _block_io_uring_if_asked(control_dir: Path) -> bool:
     """Install the io_uring filter (engine/seccomp.py) first thing, if launch.json asks for it.
     False (after writing error.json) if it cannot be installed."""
-    from vsnap.protocol import control
-
     try:
         launch = control.read_message(control_dir, control.LAUNCH, control.LaunchConfig)
         if launch is not None and launch.block_io_uring:
-            from .seccomp import block_io_uring
+            from .seccomp import block_io_uring  # only for a tree that asks for the filter
 
             block_io_uring()
             print("vsnap engine: io_uring_setup blocked for the tree (seccomp)", flush=True)
@@ -96,7 +95,7 @@ def _block_io_uring_if_asked(control_dir: Path) -> bool:
 
 def _reap_orphans() -> None:
     """Reap zombies of processes re-parented to us (PID 1) that no one else waits for."""
-    import multiprocessing
+    import multiprocessing  # on the reaper thread: not on the path to the first log line
 
     seen: dict[int, float] = {}
     while True:
@@ -106,8 +105,6 @@ def _reap_orphans() -> None:
 
 def _watch_owner(control_dir: Path) -> None:
     """Shut the tree down when the vsnap process that owns it is gone (SIGKILLed, crashed)."""
-    from vsnap.protocol.control import owner_gone
-
     while True:
         time.sleep(1.0)
         reason = owner_gone(control_dir)
@@ -121,7 +118,7 @@ def _watch_owner(control_dir: Path) -> None:
 
 
 async def _main(control_dir: Path) -> None:
-    from .launcher import run_engine
+    from .launcher import run_engine  # after stdio is reopened: an import error lands in the engine log
 
     task = asyncio.current_task()
     loop = asyncio.get_running_loop()
@@ -146,7 +143,7 @@ def main() -> int:
     _reopen_stdio(control_dir / ENGINE_LOG)
     if not _block_io_uring_if_asked(control_dir):
         return 1
-    from vsnap.protocol.loopback import loopback_up
+    from vsnap.protocol.loopback import loopback_up  # after stdio is reopened (its errors land in the log)
 
     loopback_up()  # the tree's own network namespace starts with lo down
     print(f"vsnap engine root pid {os.getpid()} starting", flush=True)

@@ -2,10 +2,12 @@
 
     criu/        CRIU's options (the only place its flags are written) and its runner (the only
                  place it runs)
-    cuda         the CUDA checkpoint driver API; gpu_early starts the driver early on a thread
+    cuda         the CUDA checkpoint driver API, GPU memory from NVML (pynvml, optional); gpu_early
+                 starts the driver early on a thread
     proctree     launching a tree in its own namespaces, identifying and killing its processes
     netns, mounts, shm     namespaces, what is mounted where, each tree's /dev/shm
     trust, paths           who may own what vsnap reads; which directories may be used
+    fs           renameat2: the exchange that publishes an image, the no-replace rename of `vsnap rm`
     instances, verified    host records: running instances and captures, files already hashed
     facts        host facts and preflight checks
     events, cleanup        phase events and timings; resources released on every exit path

@@ -18,8 +18,9 @@ from vsnap.protocol.errors import HostNotReady, VsnapError
 from vsnap.protocol.records import Record, field
 from vsnap.protocol.version import __version__
 
+from . import cuda as cuda_driver
 from . import verified
-from .proctree import find_unshare
+from .proctree import boot_id, find_unshare
 
 
 def package_version(name: str) -> str | None:
@@ -67,8 +68,6 @@ def check_criu_this_boot(cache_root: Path | None = None) -> str:
     CRIU binary's identity (device, inode, size, mtime, ctime; root's, not writable by others: else
     it is never kept), and asked again when any of them differs. `vsnap validate` and a capture
     always ask CRIU."""
-    from .proctree import boot_id
-
     root = verified.VERIFIED_DIR if cache_root is None else cache_root
     runner = CriuRunner.locate()
     try:
@@ -142,9 +141,7 @@ def check_io_uring() -> str:
 
 
 def check_gpu() -> str:
-    from .cuda import gpu_facts
-
-    driver, cuda, gpus = gpu_facts()
+    driver, cuda, gpus = cuda_driver.gpu_facts()
     if not gpus:
         raise HostNotReady("gpu", "no CUDA GPU is visible", hint="check nvidia-smi and CUDA_VISIBLE_DEVICES")
     return f"driver {driver}, CUDA {cuda}, " + ", ".join(f"{g['name']} ({g['memory_bytes'] >> 30} GiB)" for g in gpus)
@@ -190,9 +187,7 @@ def host_facts(engine: str, visible: str | None = None) -> HostFacts:
     runner = CriuRunner.locate()
     driver, cuda, gpus = None, None, []
     if engine == "vllm" and vllm_device() == "cuda":
-        from .cuda import gpu_facts
-
-        driver, cuda, gpus = gpu_facts()
+        driver, cuda, gpus = cuda_driver.gpu_facts()
         if visible:  # in the order the tree sees them: rank r runs on the r-th
             picked: list[dict] = []
             for wanted in (v.strip() for v in visible.split(",")):
@@ -228,6 +223,6 @@ class HostFacts(Record):
     driver: str | None = None
     cuda: str | None = None
     gpus: list[dict[str, Any]] = field(default_factory=list)
-    # versions of the other Python distributions the engine loads (_host.ENGINE_PACKAGES), those
+    # versions of the other Python distributions the engine loads (host.facts.ENGINE_PACKAGES), those
     # installed at capture; optional: an image captured before the field compares none of them
     packages: dict[str, str] = field(default_factory=dict)

@@ -18,6 +18,8 @@ from typing import Any
 
 from vsnap.protocol.errors import HostNotReady
 
+from . import cuda
+
 NVIDIA_CONTROL = "/dev/nvidiactl"  # no NVIDIA driver, nothing to start
 TIMEOUT_S = 120.0  # cuInit and the device queries (hosts with many GPUs take seconds)
 
@@ -26,7 +28,7 @@ _lock = threading.Lock()
 
 
 def start() -> None:
-    """Start reading the GPUs' facts (_cuda.gpu_facts) on a daemon thread, once per process."""
+    """Start reading the GPUs' facts (host.cuda.gpu_facts) on a daemon thread, once per process."""
     global _facts
     with _lock:
         if _facts is not None or not os.path.exists(NVIDIA_CONTROL):
@@ -39,12 +41,10 @@ def start() -> None:
 
 
 def gpu_facts() -> tuple[str | None, str, list[dict[str, Any]]]:
-    """The GPUs' facts: those start() began reading, else read now (_cuda.gpu_facts)."""
-    from .cuda import gpu_facts as read_now
-
+    """The GPUs' facts: those start() began reading, else read now (host.cuda.gpu_facts)."""
     early = _facts
     if early is None:
-        return read_now()
+        return cuda.gpu_facts()
     try:
         return early.result(timeout=TIMEOUT_S)
     except FutureTimeout:  # (not the builtin TimeoutError before Python 3.11)
@@ -54,8 +54,6 @@ def gpu_facts() -> tuple[str | None, str, list[dict[str, Any]]]:
 
 def _read(future: Future[tuple[str | None, str, list[dict[str, Any]]]]) -> None:
     try:
-        from .cuda import gpu_facts
-
-        future.set_result(gpu_facts())
+        future.set_result(cuda.gpu_facts())
     except BaseException as exc:  # kept for whoever needs the facts
         future.set_exception(exc)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 from pathlib import Path, PurePosixPath
 
+from vsnap.protocol.errors import HostNotReady, ImageUntrusted
+
 DEFAULT_IMAGE_ROOT = Path("/var/lib/vsnap/images")
 DEFAULT_CONTROL_ROOT = Path("/run/vsnap")
 # vsnap's own records on this host: instances, captures, the caches of verified and pushed files
@@ -89,8 +91,6 @@ def refuse_system_path(value: str, what: str, use: str) -> str:
 def require_safe_directory(value: str, what: str) -> None:
     """For paths that do not come through a spec (``--image``, a manifest's control_dir): absolute,
     clean, not a system directory; else ImageUntrusted in one line."""
-    from vsnap.protocol.errors import ImageUntrusted
-
     try:
         refuse_system_path(absolute_clean(value, what), what, "choose a directory of its own")
     except ValueError as exc:
@@ -115,8 +115,6 @@ def require_runtime_dir() -> None:
     """Refuse (HostNotReady, one line) a VSNAP_RUNTIME_DIR that is not a clean absolute directory
     of its own: the records there decide which processes vsnap stops and what it removes."""
     if RUNTIME_DIR_PROBLEM is not None:
-        from vsnap.protocol.errors import HostNotReady
-
         raise HostNotReady("runtime dir", RUNTIME_DIR_PROBLEM,
                            hint="set VSNAP_RUNTIME_DIR to an absolute directory of its own (e.g. /run/vsnap-test), "
                                 "or unset it")

@@ -12,6 +12,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from vsnap.host import cuda as cuda_driver
 from vsnap.host import verified
 from vsnap.host.criu.runner import CriuRunner
 from vsnap.host.facts import HostFacts, engine_packages, package_version, vllm_version
@@ -102,7 +103,7 @@ def compare_facts(recorded: HostFacts, current: HostFacts, *, engine: str, cuda:
 
 def current_facts(manifest: Manifest, gpus: Future[tuple[str | None, str, list[dict]]] | None = None) -> HostFacts:
     """This host's facts as a restore of ``manifest`` compares them (CRIU's version is left empty
-    when CRIU cannot run: the CRIU check reports that). ``gpus``: the GPUs' facts (_cuda.gpu_facts)
+    when CRIU cannot run: the CRIU check reports that). ``gpus``: the GPUs' facts (host.cuda.gpu_facts)
     being read elsewhere, so the driver is asked once."""
     try:
         criu = ".".join(map(str, CriuRunner.locate().version()))
@@ -112,9 +113,8 @@ def current_facts(manifest: Manifest, gpus: Future[tuple[str | None, str, list[d
     vllm = vllm_version() if manifest.engine == "vllm" else None
     driver, cuda, found = None, None, []
     if manifest.engine == "vllm" and manifest.cuda_processes:  # last: the CUDA driver may still be starting
-        from vsnap.host.cuda import gpu_facts  # the driver starts only for an image with CUDA state
 
-        driver, cuda, found = gpus.result() if gpus is not None else gpu_facts()
+        driver, cuda, found = gpus.result() if gpus is not None else cuda_driver.gpu_facts()
     return HostFacts(hostname=socket.gethostname(), kernel=platform.release(), arch=platform.machine(), criu=criu,
                      python=platform.python_version(), torch=torch, vllm=vllm, vsnap=__version__,
                      driver=driver, cuda=cuda, gpus=found, packages=packages)
@@ -127,7 +127,7 @@ def dependency_mismatches(dependencies: list[Dependency], *, hash_files: bool, c
     Sizes are always compared; contents (sha256) when ``hash_files``. With ``cache_root``, a file
     this host hashed before (at capture, `vsnap validate IMAGE`, an earlier restore) and whose
     identity did not change since is not read again unless ``rehash`` (validate), and the files
-    that matched are remembered there (_verified).
+    that matched are remembered there (host.verified).
     """
     mismatches = []
     checked: set[Path] = set()
@@ -209,7 +209,7 @@ def require_host_matches(manifest: Manifest, current: HostFacts | Future[HostFac
     be restored on; return the differences that do not stop a restore (warnings).
 
     Dependency files are compared by size and sha256; with ``cache_root`` only the files this host
-    has not hashed since they last changed are read (_verified)."""
+    has not hashed since they last changed are read (host.verified)."""
     differences = host_differences(manifest, current, hash_files=True, cache_root=cache_root)
     fatal = [d for d in differences if d.fatal]
     if fatal:

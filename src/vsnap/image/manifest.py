@@ -12,8 +12,9 @@ from typing import Any, Literal
 
 from vsnap.host.facts import HostFacts
 from vsnap.host.paths import PATH_MAX, require_plain_path
+from vsnap.host.trust import open_following_only_roots_links
 from vsnap.protocol.control import LaunchConfig
-from vsnap.protocol.errors import ImageError, ImageFormatError, ImageIncompatible
+from vsnap.protocol.errors import ImageError, ImageFormatError, ImageIncompatible, ImageUntrusted
 from vsnap.protocol.oracle import Oracle
 from vsnap.protocol.records import Record, RecordError, field
 from vsnap.protocol.version import PROTOCOL_VERSION, __version__
@@ -31,9 +32,9 @@ DUMP_LOG = "logs/dump.log"
 ENGINE_LOG = "logs/engine.log"
 MAX_MANIFEST_BYTES = 16 << 20
 MAX_BYTES = (1 << 63) - 1  # a size or byte count in the manifest (off_t's range)
-CRIU_KEY = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # a CRIU external key (_criu_options.external_mounts: m0, m1...)
+CRIU_KEY = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # a CRIU external key (host.criu.options.external_mounts: m0, m1...)
 CAPTURED = "captured"  # Manifest.origin of an image made by `vsnap capture`
-# a GPU's UUID as _cuda._format_uuid writes it (the CUDA restore's GPU map parses it back to 16 bytes)
+# a GPU's UUID as host.cuda._format_uuid writes it (the CUDA restore's GPU map parses it back to 16 bytes)
 GPU_UUID = re.compile(r"GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 
@@ -155,8 +156,6 @@ def read_manifest(image_dir: Path) -> Manifest:
     path = image_dir / MANIFEST
     if not image_dir.is_dir():
         raise ImageError(f"{image_dir} is not an image directory", hint="capture one with `vsnap capture SPEC`")
-    from vsnap.host.trust import open_following_only_roots_links
-    from vsnap.protocol.errors import ImageUntrusted
 
     try:
         fd = open_following_only_roots_links(image_dir / MANIFEST)  # never through another user's link

@@ -12,7 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, TypeVar
 
+from vsnap.engine.adapters.vllm.serve_args import files_read_when_serving
+from vsnap.engine.adapters.vllm.serve_args import serves_tls as of_serve
 from vsnap.host.criu.runner import LazyPagesServer
+from vsnap.host.cuda import CudaCheckpoint
 from vsnap.host.events import Timings
 from vsnap.host.http import bind_listener, health_check, server_url
 from vsnap.host.instances import InstanceRecord, register, stop_requested
@@ -80,7 +83,6 @@ def serves_tls(manifest: Manifest) -> bool:
     serve = _vllm_serve(manifest)
     if serve is None:
         return False
-    from vsnap.engine.adapters.vllm.serve_args import serves_tls as of_serve  # vLLM's rule, no vLLM import
 
     return of_serve(serve)
 
@@ -92,7 +94,6 @@ def require_serving_files(manifest: Manifest) -> None:
     serve = _vllm_serve(manifest)
     if serve is None:
         return
-    from vsnap.engine.adapters.vllm.serve_args import files_read_when_serving
 
     for argument, path in files_read_when_serving(serve):
         require_trusted_file(Path(path), f"the serve.{argument}")
@@ -197,8 +198,6 @@ def bring_up(tree: RestoredTree, host: str, port: int, targets: list[Gpu] | None
     readers' lock is released once the engine has read the weights."""
     manifest, work, identity, engine_log = tree.image.manifest, tree.work, tree.identity, tree.engine_log
     if manifest.cuda_processes:
-        from vsnap.host.cuda import CudaCheckpoint
-
         with timings.phase("cuda restore"):
             cuda = CudaCheckpoint()
             cuda_pids = cuda.cuda_pids(tree_pids(identity.pid))

@@ -18,10 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vsnap.engine.adapters.vllm.rules import tensor_parallel_size as of_serve
+from vsnap.host import cuda as cuda_driver
 from vsnap.host import verified
 from vsnap.host.cleanup import Cleanup
 from vsnap.host.criu.options import DumpOptions, external_mounts
 from vsnap.host.criu.runner import CriuRunner
+from vsnap.host.cuda import CudaCheckpoint, gpu_memory_by_pid
 from vsnap.host.events import ProgressCallback, Timings
 from vsnap.host.facts import host_facts, require_host, vllm_device
 from vsnap.host.instances import CaptureRecord, prune_dead_runs, register_capture, this_process, unregister_capture
@@ -62,6 +65,7 @@ from vsnap.protocol.control import LaunchConfig, Ready
 from vsnap.protocol.errors import CheckpointError, CriuError, HostNotReady, ImageError, ProcessTreeError
 from vsnap.protocol.version import PROTOCOL_VERSION
 from vsnap.spec.schema import ModelSpec
+from vsnap.spec.vllm_check import require_supported_args
 
 from .tree import BootedTree, boot_tree, launch_config, new_tree_instance, resolve_model
 
@@ -113,8 +117,6 @@ def _preflight(spec: ModelSpec, image_dir: Path, force: bool, timings: Timings) 
         if spec.model is not None:
             require_trusted_model(Path(spec.model))  # before the boot; resolve_model checks again
         if spec.engine == "vllm":
-            from vsnap.spec.vllm_check import require_supported_args
-
             require_supported_args(spec)
     return runner
 
@@ -239,8 +241,6 @@ def _checkpoint(boot: Boot, found: TreeFacts, timings: Timings) -> Frozen:
     gpu_bytes: dict[int, int] = {}
     require_parked(boot.tree, boot.work, boot.ready)
     if boot.cuda:
-        from vsnap.host.cuda import CudaCheckpoint, gpu_memory_by_pid
-
         gpu_bytes = gpu_memory_by_pid()  # what each process's CUDA checkpoint will move
         with timings.phase("cuda checkpoint"):
             cuda = CudaCheckpoint()
@@ -338,7 +338,7 @@ def _dependencies(pids: list[int], model_dir: Path, control_dir: Path) -> list[D
     before = {path: os.stat(path) for path in ordered}
     with ThreadPoolExecutor(max_workers=HASH_THREADS) as pool:
         digests = list(pool.map(lambda path: sha256_file(Path(path)), ordered))
-    # a restore on this host compares the sha256 of each without reading it again (_verified)
+    # a restore on this host compares the sha256 of each without reading it again (host.verified)
     verified.remember_dependencies({path: (before[path], digest) for path, digest in zip(ordered, digests)},
                                    statted_at_ns=statted_at)
     return [Dependency(path=path, size=before[path].st_size, sha256=digest) for path, digest in zip(ordered, digests)]
@@ -438,7 +438,6 @@ def tensor_parallel_size(spec: ModelSpec) -> int:
     """How many GPUs (worker processes) the spec's engine runs on."""
     if spec.engine != "vllm":
         return 1
-    from vsnap.engine.adapters.vllm.rules import tensor_parallel_size as of_serve
 
     return max(of_serve(dict(spec.serve)), 1)
 
@@ -446,9 +445,7 @@ def tensor_parallel_size(spec: ModelSpec) -> int:
 def capture_gpu_uuids(tp: int = 1) -> list[str]:
     """The GPUs a vLLM capture runs on when CUDA_VISIBLE_DEVICES does not say: the first ``tp``,
     in CUDA ordinal order (rank r on the r-th)."""
-    from vsnap.host.cuda import gpu_facts
-
-    _, _, gpus = gpu_facts()
+    _, _, gpus = cuda_driver.gpu_facts()
     if not gpus:
         raise HostNotReady("gpu", "no CUDA GPU is visible", hint="check nvidia-smi")
     if len(gpus) < tp:

@@ -6,6 +6,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from vsnap.host import cuda as cuda_driver
 from vsnap.host import gpu_early
 from vsnap.image.handle import Image
 from vsnap.image.manifest import Manifest
@@ -51,10 +52,8 @@ def choose_gpus(manifest: Manifest, requested: str | None,
     here and has room, the other ranks on the first other GPUs of the captured model with enough
     free memory. Refuses another model or too little memory, naming the GPU. ``facts``: the GPUs'
     facts (_cuda.gpu_facts) being read elsewhere; else they are read here."""
-    from vsnap.host.cuda import gpu_free_memory
-
     with ThreadPoolExecutor(max_workers=1) as pool:
-        freeing = pool.submit(gpu_free_memory)  # while the CUDA driver starts
+        freeing = pool.submit(cuda_driver.gpu_free_memory)  # while the CUDA driver starts
         _, _, found = facts.result() if facts is not None else gpu_early.gpu_facts()
         free = freeing.result()
     gpus = [Gpu.of(fact) for fact in found]

@@ -51,7 +51,7 @@ def stop_server(server: RestoredServer | InstanceRecord, grace_s: float = 10.0) 
 
 def require_tree_root(record: InstanceRecord, phase: str) -> None:
     """A record's tree is acted on (signalled, activated) only while it is the first process of a
-    PID namespace of its own (_proctree.is_tree_root): a record naming another live process
+    PID namespace of its own (host.proctree.is_tree_root): a record naming another live process
     (crafted, or left by a bug) is refused, not acted on. A tree that is gone is the caller's case."""
     if record.tree is not None and is_same(record.tree.identity) and not is_tree_root(record.tree.identity):
         raise ProcessTreeError(record.tree.pid, f"the record of {record.id} names pid {record.tree.pid}, which is not "

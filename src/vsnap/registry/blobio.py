@@ -20,7 +20,7 @@ from typing import Callable, Iterable, Iterator, TypeVar
 
 from vsnap.image.manifest import FileEntry
 from vsnap.image.store import PIECE
-from vsnap.protocol.errors import ArtifactError
+from vsnap.protocol.errors import ArtifactError, HostNotReady
 
 from .oci import Layer
 
@@ -35,15 +35,13 @@ def _zstandard():  # type: ignore[no-untyped-def]
     try:
         import zstandard
     except ImportError:
-        from vsnap.protocol.errors import HostNotReady
-
         raise HostNotReady("zstandard", "vsnap push and pull need the zstandard package",
                            hint="pip install 'vsnap[registry]'") from None
     return zstandard
 
 
 class FileDigest:
-    """``_image.piece_hashes`` of one file, fed in order: the sha256 of a file of at most one
+    """``image.store.piece_hashes`` of one file, fed in order: the sha256 of a file of at most one
     PIECE, else the sha256 of its pieces' hex sha256, concatenated."""
 
     def __init__(self) -> None:

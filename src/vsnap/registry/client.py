@@ -31,7 +31,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterable, Iterator
 
-from vsnap.protocol.errors import ArtifactError, HostNotReady, RegistryUnavailable, VsnapError
+from vsnap.host.trust import open_following_only_roots_links, require_trusted_ancestors
+from vsnap.protocol.errors import ArtifactError, HostNotReady, ImageUntrusted, RegistryUnavailable, VsnapError
 
 from .oci import OCI_MANIFEST, Reference
 
@@ -73,9 +74,6 @@ def read_docker_config(path: Path) -> dict[str, Any]:
     so is one that anyone but root could have written (it names programs root runs: credential
     helpers, ``docker-credential-<name>``), or that names a helper by anything but a plain name
     (a name with a ``/`` would run a path relative to the current directory)."""
-    from vsnap.host.trust import open_following_only_roots_links, require_trusted_ancestors
-    from vsnap.protocol.errors import ImageUntrusted
-
     def untrusted(why: str) -> RegistryUnavailable:
         return RegistryUnavailable("", f"the docker config {path} {why}", hint=CONFIG_HINT)
 

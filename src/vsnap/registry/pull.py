@@ -4,7 +4,7 @@ Phases: preflight (the target path as a capture checks it, its parent root's, th
 connect, fetch manifest (the OCI manifest, bounded and checked, then its config blob: the image's
 manifest.json, read and version-checked as a local one, its paths checked, matched to the layers,
 the sizes checked against free disk), download blobs (in parallel, each checked as it is written:
-_blobio), verify (the trust model and every file against manifest.json, as a restore does),
+registry.blobio), verify (the trust model and every file against manifest.json, as a restore does),
 publish (one rename).
 
 Everything is written into a private staging directory beside the target,

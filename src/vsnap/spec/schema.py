@@ -42,8 +42,10 @@ from pydantic import (
     model_validator,
 )
 
-from vsnap.host.paths import DEFAULT_CONTROL_ROOT, DEFAULT_IMAGE_ROOT, absolute_clean, refuse_system_path
-from vsnap.protocol.errors import SpecError, SpecIssue
+from vsnap.host.paths import DEFAULT_CONTROL_ROOT, DEFAULT_IMAGE_ROOT, RUNTIME_DIR, absolute_clean, refuse_system_path
+from vsnap.host.trust import open_following_only_roots_links
+from vsnap.host.verified import VERIFIED_DIR
+from vsnap.protocol.errors import ImageUntrusted, SpecError, SpecIssue
 
 MAX_SPEC_BYTES = 1 << 20
 MAX_DEPTH = 20  # the schema needs 3 levels (oracle.prompts[i]); vLLM's JSON arguments a few more
@@ -306,9 +308,6 @@ def _directory_problems(data: Mapping[str, Any]) -> list[Problem]:
 def _state_dirs() -> list[tuple[str, str]]:
     """vsnap's own state, which no image or control directory may hold (a capture with --force
     would replace it, a control directory would be mounted over it)."""
-    from vsnap.host.instances import RUNTIME_DIR
-    from vsnap.host.verified import VERIFIED_DIR
-
     return [("registry of running instances", str(RUNTIME_DIR / "instances")),
             ("records of running captures", str(RUNTIME_DIR / "captures")),
             ("cache of verified image files", str(VERIFIED_DIR))]
@@ -538,8 +537,6 @@ def read_spec_text(path: Path) -> str:
     def refuse(message: str, line: int | None = None, column: int | None = None) -> SpecError:
         return SpecError([SpecIssue(file, line, column, "", message)])
 
-    from vsnap.host.trust import open_following_only_roots_links
-    from vsnap.protocol.errors import ImageUntrusted
 
     try:
         fd = open_following_only_roots_links(path)  # a link of another user's could point at /etc/shadow

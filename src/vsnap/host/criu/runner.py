@@ -1,6 +1,6 @@
 """CriuRunner: finds CRIU, checks it, runs dump and restore, turns failures into CriuError.
 
-The only module that executes CRIU. Arguments come from _criu_options (each with
+The only module that executes CRIU. Arguments come from host.criu.options (each with
 --no-default-config); CRIU runs with CRIU's own environment variables removed (CRIU_CONFIG_FILE is
 read even with that flag, CRIU_LIBS_DIR loads plugins, CRIU_FAULT injects faults), so nothing on
 the host but vsnap's argv decides what CRIU does. The exact argv of each run is saved beside its

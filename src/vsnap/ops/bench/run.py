@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from vsnap.engine.adapters.vllm.serve_args import serves_tls
 from vsnap.host import verified
 from vsnap.host.cleanup import Cleanup
 from vsnap.host.events import ProgressCallback, Timings
@@ -182,8 +183,6 @@ def run_bench(spec: ModelSpec, *, runs: int = 3, cold_runs: int | None = None, l
 def _preflight(spec: ModelSpec, out_dir: Path | None, timings: Timings) -> Path:
     """What refuses the bench before minutes of measuring; the model directory."""
     if spec.engine == "vllm":
-        from vsnap.engine.adapters.vllm.serve_args import serves_tls
-
         if serves_tls(dict(spec.serve)):
             raise UnsupportedOption("serve.ssl_*", "vsnap bench speaks plain HTTP to the servers it measures",
                                     hint="bench a copy of the spec without serve.ssl_keyfile and serve.ssl_certfile")

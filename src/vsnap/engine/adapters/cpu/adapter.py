@@ -118,7 +118,7 @@ class CpuAdapter(EngineAdapter):
     async def serve(self, sock: socket.socket) -> None:
         import uvicorn
 
-        from .server import build_app
+        from .server import build_app  # imported by build(), before the capture: this only names it
 
         app = build_app(self.scheduler, self.launch.served_model_name)
         # A stream still open at shutdown is cut after 5 s, not waited for.

@@ -21,7 +21,7 @@ from typing import Any
 def serve_pipe(conn: Connection, model_dir: str, loaded: Any) -> None:
     import torch
 
-    from . import model as cpu_model
+    from . import model as cpu_model  # torch's: only the spawned worker loads it, never the frontend
 
     # One thread: the same arithmetic order on every run, and fewer threads to checkpoint.
     torch.set_num_threads(1)
