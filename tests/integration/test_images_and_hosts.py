@@ -41,7 +41,7 @@ def instances_of(captured: CapturedImage) -> set[str]:
 def test_capture_remembers_the_dependencies_it_hashed(captured: CapturedImage) -> None:
     known = verified.load_dependencies()
     for dep in captured.manifest.dependencies:
-        assert known.get(dep.path, {}).get("sha256") == dep.sha256, dep.path
+        assert (known[dep.path].sha256 if dep.path in known else None) == dep.sha256, dep.path
 
 
 def test_another_kernel_and_other_libraries_are_refused_each_on_its_line(captured: CapturedImage,

@@ -37,3 +37,29 @@ def test_something_planted_at_the_origin_name_does_not_fail_the_published_pull(t
     record_origin(image, "registry.example/llama@sha256:" + "a" * 64)
     assert read_origin(image) is None and planted.is_dir()
     assert sorted(p.name for p in parent.iterdir()) == [origin_name(image), "llama"]  # no temp file left
+
+
+def test_the_record_is_read_strictly(tmp_path: Path) -> None:
+    """The record is protocol.records' Origin: exactly its two strings, or not believed (before, a
+    reference of any JSON type was shown as its str(), and extra keys were taken)."""
+    import hashlib
+    import json
+
+    parent = tmp_path / "images"
+    image = parent / "llama"
+    image.mkdir(parents=True, mode=0o700)
+    (image / "manifest.json").write_bytes(b'{"pulled": 1}')
+    digest = hashlib.sha256(b'{"pulled": 1}').hexdigest()
+    record = parent / origin_name(image)
+    reference = "registry.example/llama:v1"
+    for document, shown in (({"reference": reference, "manifest_sha256": digest}, reference),  # as older vsnap wrote it
+                             ({"reference": 5, "manifest_sha256": digest}, None),
+                             ({"reference": reference, "manifest_sha256": digest, "by": "x"}, None),
+                             ({"reference": reference}, None),
+                             ([reference, digest], None)):
+        record.write_text(json.dumps(document))
+        os.chmod(record, 0o600)
+        assert read_origin(image) == shown, document
+    record.unlink()
+    record_origin(image, "registry.example/\udcff")  # not valid text: no record, no error
+    assert not record.exists()

@@ -1,5 +1,6 @@
 """A restore re-hashes an image file only when it may have changed since this host hashed it."""
 
+import json
 import os
 import time
 from pathlib import Path
@@ -147,3 +148,69 @@ def test_forget_never_removes_through_a_link_or_anothers_directory(tmp_path: Pat
     _verified.forget(image, victim)  # root's own private cache: the record goes
     assert not record.exists()
     _verified.forget(image, tmp_path / "none")  # no cache: nothing to do
+
+
+def _write(path: Path, document: object) -> None:
+    path.write_text(document if isinstance(document, str) else json.dumps(document))
+    os.chmod(path, 0o600)
+
+
+def test_records_are_read_strictly_and_a_malformed_one_is_no_record(tmp_path: Path) -> None:
+    """The records are protocol.records: exactly their fields and types, or ignored (the files are
+    hashed again); what older vsnap wrote (json.dumps) still reads."""
+    image, manifest = _image(tmp_path)
+    cache = tmp_path / "verified"
+    verify_files(image, manifest, cache_root=cache)
+    record = cache / _verified._record_path(image, cache).name
+    written = json.loads(record.read_text())
+    assert set(written) == {"image", "files"} and written["image"] == str(image.resolve())
+    _write(record, json.dumps(written, indent=1))  # any JSON layout of the same record
+    assert sorted(_verified.load(image, cache)) == ["criu/pages-1.img", "weights/rank0.bin"]
+    rel = "weights/rank0.bin"
+    entry = written["files"][rel]
+    for bad in ({**written, "extra": 1},                                       # a field it does not have
+                {**written, "files": {rel: {**entry, "sha256": 5}}},           # a value of another type
+                {**written, "files": {rel: {**entry, "identity": "x"}}},
+                {**written, "files": {rel: {"identity": entry["identity"]}}},  # a field missing
+                {**written, "files": {rel: 5}},                                # once: AttributeError, a traceback
+                {**written, "image": str(tmp_path / "other")},                 # another image's record
+                [written], "\ufeff" + json.dumps(written), "{", "[" * 100_000):
+        _write(record, bad)
+        assert _verified.load(image, cache) == {}, bad
+        assert len(verify_files(image, manifest, cache_root=cache)) == 2  # hashed again, and remembered
+    assert verify_files(image, manifest, cache_root=cache) == []
+
+
+def test_a_malformed_dependency_or_host_check_record_is_no_record(tmp_path: Path) -> None:
+    cache = tmp_path / "verified"
+    cache.mkdir(mode=0o700)
+    _write(cache / _verified.DEPENDENCIES, {"files": {"/lib/x.so": {"identity": [1, 2], "sha256": "00"}}})
+    assert list(_verified.load_dependencies(cache)) == ["/lib/x.so"]
+    _write(cache / _verified.DEPENDENCIES, {"files": {"/lib/x.so": {"identity": [1, 2], "sha256": None}}})
+    assert _verified.load_dependencies(cache) == {}
+    key = ["boot", "6.1.0", "/usr/sbin/criu", 1, 2, 3, 4, 5]
+    # as older vsnap wrote it
+    _write(cache / _verified.HOST_CHECKS, {"criu": {"key": key, "verdict": "criu 4.2 passed"}})
+    assert _verified.host_check_passed("criu", key, cache) == "criu 4.2 passed"
+    assert _verified.host_check_passed("criu", key[:-1], cache) is None  # another key
+    for bad in ({"criu": {"key": key, "verdict": 1}}, {"criu": {"key": key}}, {"criu": []}, {"other": {}}, "nul"):
+        _write(cache / _verified.HOST_CHECKS, bad)
+        assert _verified.host_check_passed("criu", key, cache) is None, bad
+    _verified.remember_host_check("criu", key, "asked again", cache)  # a malformed record is replaced
+    assert _verified.host_check_passed("criu", key, cache) == "asked again"
+
+
+def test_what_a_record_cannot_hold_is_left_out_not_an_error(tmp_path: Path) -> None:
+    """A name that is not valid text (a lone surrogate) or an inode number past 63 bits: that file
+    is only hashed again; the others are remembered."""
+    image, manifest = _image(tmp_path)
+    cache = tmp_path / "verified"
+    bad = image / "bad\udcff"  # the byte 0xff in its name
+    bad.write_bytes(b"x")
+    os.chmod(bad, 0o600)
+    good = "criu/pages-1.img"
+    _verified.remember(image, {good: (os.lstat(image / good), "a" * 64), bad.name: (os.lstat(bad), "b" * 64)}, cache)
+    assert list(_verified.load(image, cache)) == [good]
+    assert _verified._hashed("x", [1, 1 << 63, 3, 4, 5], "c" * 64) is None
+    _verified.remember_host_check("criu", ["boot\udcff"], "passed", cache)
+    assert _verified.host_check_passed("criu", ["boot\udcff"], cache) is None

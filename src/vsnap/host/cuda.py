@@ -3,19 +3,21 @@
 Moves every process of the tree that holds a CUDA context (in vLLM 0.26 both the API server
 and EngineCore) between the GPU and host memory, so that CRIU sees plain processes. It reads
 each process's state first, remembers what it moved, and undoes a half-done step on failure.
-No cuda-checkpoint binary is needed.
+No cuda-checkpoint binary is needed. The GPUs' free memory and each process's use of it come from
+NVML through nvidia-ml-py (pynvml), optional: where it or the driver is missing they are unknown.
 """
 
 from __future__ import annotations
 
-import ctypes
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Iterator, TypeVar
 
 from vsnap.protocol.errors import CheckpointError, HostNotReady
 
 LOCK_TIMEOUT_MS = 10_000
+T = TypeVar("T")
 INSTALL_HINT = "install cuda-bindings (pip install 'vsnap[vllm]') and an NVIDIA driver >= 550 (checkpoint API)"
 
 
@@ -192,65 +194,66 @@ def _ctypes_restore(pid: int, gpu_pairs: list[tuple[str, str]]) -> int:
     return int(libcuda.cuCheckpointProcessRestore(ctypes.c_int(pid), ctypes.byref(args)))
 
 
-def _nvidia_smi(query: str) -> list[list[str]]:
-    """Rows of ``nvidia-smi --query-QUERY`` as stripped CSV fields (none if nvidia-smi is not there)."""
-    import subprocess
-
+@contextmanager
+def _nvml() -> Iterator[Any | None]:
+    """pynvml, initialised for the block and shut down after it; None where nvidia-ml-py is not
+    installed or NVML cannot start (no NVIDIA driver: a CPU host, CI)."""
     try:
-        out = subprocess.run(["nvidia-smi", f"--query-{query}", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-    return [[field.strip() for field in line.split(",")] for line in out.splitlines()]
-
-
-class _NvmlMemory(ctypes.Structure):
-    _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong), ("used", ctypes.c_ulonglong)]
-
-
-def _nvml_free_memory() -> dict[str, int] | None:
-    """Free memory per GPU UUID through NVML (libnvidia-ml, what nvidia-smi reads, without starting
-    a process: nvidia-smi took most of a restore's verify phase); None where NVML cannot answer."""
+        import pynvml  # optional dependency: nvidia-ml-py (vsnap[vllm]; vLLM depends on it)
+    except ImportError:
+        yield None
+        return
     try:
-        nvml = ctypes.CDLL("libnvidia-ml.so.1")
-    except OSError:
-        return None
-    if nvml.nvmlInit_v2() != 0:
-        return None
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        yield None
+        return
     try:
-        count = ctypes.c_uint()
-        if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0:
-            return None
-        free: dict[str, int] = {}
-        for index in range(count.value):
-            handle = ctypes.c_void_p()
-            uuid = ctypes.create_string_buffer(96)
-            memory = _NvmlMemory()
-            if (nvml.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)) != 0
-                    or nvml.nvmlDeviceGetUUID(handle, uuid, len(uuid)) != 0
-                    or nvml.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(memory)) != 0):
-                return None
-            free[uuid.value.decode()] = int(memory.free)
-        return free
+        yield pynvml
     finally:
-        nvml.nvmlShutdown()
+        try:
+            pynvml.nvmlShutdown()
+        except pynvml.NVMLError:
+            pass
+
+
+def _each_gpu(read: Callable[[Any, Any], T]) -> list[T] | None:
+    """``read(pynvml, handle)`` of every GPU NVML sees, in its order; None where NVML cannot
+    answer (not installed, no driver, a call that failed: then nothing of it is believed)."""
+    with _nvml() as nvml:
+        if nvml is None:
+            return None
+        # an unversioned call this driver lacks raises the mismatch error (not an NVMLError)
+        failures = (nvml.NVMLError, getattr(nvml, "NVMLLibraryMismatchError", nvml.NVMLError))
+        try:
+            return [read(nvml, nvml.nvmlDeviceGetHandleByIndex(index)) for index in range(nvml.nvmlDeviceGetCount())]
+        except failures:
+            return None
+
+
+def _text(value: str | bytes) -> str:
+    """A string NVML returned (bytes from older nvidia-ml-py, str from current ones)."""
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
 def gpu_free_memory() -> dict[str, int]:
-    """Free memory per GPU UUID: from NVML, else from nvidia-smi (empty if neither is there)."""
-    found = _nvml_free_memory()
-    if found is not None:
-        return found
-    return {row[0]: int(row[1]) << 20 for row in _nvidia_smi("gpu=uuid,memory.free")
-            if len(row) == 2 and row[1].isdigit()}
+    """Free memory per GPU UUID, from NVML in this process (nvidia-smi, a process of its own, took
+    most of a restore's verify phase); empty where NVML cannot answer (then no GPU is refused for
+    its memory)."""
+    rows = _each_gpu(lambda nvml, gpu: (_text(nvml.nvmlDeviceGetUUID(gpu)),
+                                        int(nvml.nvmlDeviceGetMemoryInfo(gpu).free)))
+    return dict(rows or [])
 
 
 def gpu_memory_by_pid() -> dict[int, int]:
-    """GPU memory each process uses (host PIDs), from nvidia-smi (empty if it is not there)."""
+    """GPU memory each process uses (host PIDs; summed over its GPUs), from NVML; empty where NVML
+    cannot answer. A process whose use NVML does not know (None) is left out."""
+    per_gpu = _each_gpu(lambda nvml, gpu: [(int(p.pid), p.usedGpuMemory)
+                                           for p in nvml.nvmlDeviceGetComputeRunningProcesses(gpu)])
     used: dict[int, int] = {}
-    for row in _nvidia_smi("compute-apps=pid,used_memory"):
-        if len(row) == 2 and row[0].isdigit() and row[1].isdigit():
-            used[int(row[0])] = used.get(int(row[0]), 0) + (int(row[1]) << 20)
+    for pid, memory in (row for rows in per_gpu or [] for row in rows):
+        if isinstance(memory, int) and memory >= 0:
+            used[pid] = used.get(pid, 0) + memory
     return used
 
 

@@ -18,7 +18,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from vsnap.protocol.errors import HostNotReady, ProcessTreeError
 
@@ -277,23 +277,25 @@ def _pidfd(identity: ProcessIdentity) -> int | None:
     return fd
 
 
-def _wait_pidfds(fds: dict[int, int], timeout_s: float) -> list[int]:
-    """Wait until the processes behind these pidfds (pid -> fd) exited; return the PIDs still running."""
-    deadline = time.monotonic() + timeout_s
+def _wait_pidfds(fds: dict[int, int], timeout_s: float | None) -> list[int]:
+    """Wait until the processes behind these pidfds (pid -> fd) exited, reaping those that are our
+    children; return the PIDs still running after ``timeout_s`` (None: no limit). One poll(2) on
+    every pidfd: the kernel wakes it at each exit, so the wait ends when the last one ends (no
+    sleep between looks), and a pidfd names one process, never a later one with its PID."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     left = dict(fds)
+    pid_of = {fd: pid for pid, fd in fds.items()}
+    poller = select.poll()
+    for fd in left.values():
+        poller.register(fd, select.POLLIN)
     while left:
-        for pid in list(left):
-            reap(pid)
-        poller = select.poll()
-        for fd in left.values():
-            poller.register(fd, select.POLLIN)
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            break
-        for fd, _ in poller.poll(min(remaining, 0.05) * 1000):
-            pid = next(p for p, f in left.items() if f == fd)
-            reap(pid)
-            del left[pid]
+        remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        for fd, _ in poller.poll(None if remaining is None else remaining * 1000):  # ms, rounded up
+            poller.unregister(fd)
+            reap(pid_of[fd])
+            del left[pid_of[fd]]
+        if remaining == 0:
+            break  # the last look, at the deadline
     return sorted(left)
 
 
@@ -313,16 +315,52 @@ def reap(pid: int) -> None:
         pass
 
 
-def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
-    """Wait until none of ``pids`` is alive (reaping our own children); return the survivors."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        for pid in pids:
-            reap(pid)
-        left = [pid for pid in pids if alive(pid)]
-        if not left or time.monotonic() >= deadline:
-            return left
-        time.sleep(0.02)
+def _watch(process: int | ProcessIdentity) -> int | None:
+    """A pidfd for the process: one given by identity only while it is still that process (a
+    zombie no longer is), one given by PID whatever runs under it now (a zombie too: its pidfd
+    reads as exited at once). None once there is none, and a zombie child of ours under that PID
+    is reaped (our children's PIDs are not reused before we reap them). OSError (out of
+    descriptors) when the kernel gives no pidfd."""
+    pid = process.pid if isinstance(process, ProcessIdentity) else process
+    try:
+        fd: int | None = os.pidfd_open(pid)
+    except ProcessLookupError:
+        fd = None
+    if fd is not None and isinstance(process, ProcessIdentity) and not is_same(process):
+        os.close(fd)  # it ended (a zombie), or its PID is another process's now
+        fd = None
+    if fd is None:
+        reap(pid)
+    return fd
+
+
+def wait_gone(processes: Sequence[int | ProcessIdentity], timeout_s: float | None) -> list[int]:
+    """Wait until none of ``processes`` is alive (reaping our own children); return the PIDs still
+    alive after ``timeout_s`` (None: no limit). Each is watched through a pidfd taken at the start
+    (_watch, _wait_pidfds): the wait ends at the last exit, and a watched process's PID reused
+    after it is never mistaken for it. A PID given as a number is taken as whatever runs under it
+    when the wait starts (give an identity where it may already be reused: our children's PIDs
+    cannot be before we reap them). A process no pidfd could be had for (out of descriptors) is
+    reported if it is alive at the end."""
+    fds: dict[int, int] = {}
+    unwatched: list[int] = []
+    try:
+        for process in processes:
+            pid = process.pid if isinstance(process, ProcessIdentity) else process
+            if pid in fds:
+                continue
+            try:
+                fd = _watch(process)
+            except OSError:
+                unwatched.append(pid)
+                continue
+            if fd is not None:
+                fds[pid] = fd
+        survivors = _wait_pidfds(fds, timeout_s)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return sorted(survivors + [pid for pid in unwatched if alive(pid)])
 
 
 def kill_tree(root: int | ProcessIdentity, *, grace_s: float = 0.0) -> None:

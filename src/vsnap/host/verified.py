@@ -11,25 +11,63 @@ a whole second), so a write in the same tick as the change before the stat would
 was; such a file is hashed again next time, by when it is no longer recent. A file is
 only remembered when it is owned by this user and not writable by group or others, inside the
 image directory whose parent ``check_parent`` already requires to be private. The record lives
-under /run (tmpfs): a reboot forgets it, and the next restore hashes everything again.
+under /run (tmpfs): a reboot forgets it, and the next restore hashes everything again. The records
+are protocol.records, read strictly (read_cache, also registry/pushed's): one that is not exactly
+its record, or that anyone but root could have written, is no record, never an error.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import stat
 import time
 from pathlib import Path
+from typing import Any, Literal, TypeVar
 
-from vsnap.protocol.control import write_atomic
+from vsnap.protocol import control
+from vsnap.protocol.errors import ControlProtocolError
+from vsnap.protocol.records import Record, RecordError, is_plain
 
 from .paths import RUNTIME_DIR
 
 VERIFIED_DIR = RUNTIME_DIR / "verified"
 
 Identity = list[int]
+R = TypeVar("R", bound=Record)
+
+
+class Hashed(Record):
+    """A file hashed before: its identity when it was stat'ed (identity()) and the sha256 it had."""
+
+    identity: list[int]
+    sha256: str
+
+
+class VerifiedImage(Record):
+    """``<root>/<hash of the image's path>.json``: the image's files hashed before, by relative path."""
+
+    image: str  # the image directory, resolved: a record found under another image's name is not believed
+    files: dict[str, Hashed]
+
+
+class VerifiedDependencies(Record):
+    """``<root>/dependencies.json``: host files hashed before, by absolute path (one for every image)."""
+
+    files: dict[str, Hashed]
+
+
+class HostCheck(Record):
+    """A host check's verdict and the key it holds for (it is asked again under any other key)."""
+
+    key: list[Any]
+    verdict: str
+
+
+class HostChecks(Record):
+    """``<root>/host-checks.json``, by check name: the one kept is `criu check`'s."""
+
+    criu: HostCheck | None = None
 
 
 def identity(st: os.stat_result) -> Identity | None:
@@ -59,25 +97,28 @@ def _private(path: Path) -> bool:
     return st.st_uid == os.geteuid() and not st.st_mode & 0o077 and not stat.S_ISLNK(st.st_mode)
 
 
-def load(image_dir: Path, root: Path = VERIFIED_DIR) -> dict[str, dict]:
-    """rel path -> {"identity": [...], "sha256": ...} of files hashed before; {} when unknown."""
-    record = _record_path(image_dir, root)
-    try:
-        if not (_private(root) and _private(record)):
-            return {}  # a record anyone else could have written is no record
-        data = json.loads(record.read_text())
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(data, dict) or data.get("image") != str(image_dir.resolve()):
-        return {}
-    files = data.get("files")
-    return files if isinstance(files, dict) else {}
+def load(image_dir: Path, root: Path = VERIFIED_DIR) -> dict[str, Hashed]:
+    """rel path -> what was hashed of it before; {} when unknown (read_cache: no record, or none
+    believed)."""
+    cached = read_cache(root, _record_path(image_dir, root).name, VerifiedImage)
+    return dict(cached.files) if cached is not None and cached.image == str(image_dir.resolve()) else {}
 
 
-def still_verified(record: dict[str, dict], rel: str, st: os.stat_result, sha256: str) -> bool:
+def still_verified(record: dict[str, Hashed], rel: str, st: os.stat_result, sha256: str) -> bool:
     known = record.get(rel)
     now = identity(st)
-    return bool(known) and now is not None and known.get("identity") == now and known.get("sha256") == sha256
+    return known is not None and now is not None and known.identity == now and known.sha256 == sha256
+
+
+def _hashed(name: str, ident: Identity, digest: str) -> Hashed | None:
+    """The entry of a file just hashed; None where a record cannot hold it (a name that is not
+    valid text, an inode number past 63 bits): that file is only hashed again next time."""
+    if not is_plain(name):
+        return None
+    try:
+        return Hashed(identity=ident, sha256=digest)
+    except RecordError:
+        return None
 
 
 def remember(image_dir: Path, digests: dict[str, tuple[os.stat_result, str]], root: Path = VERIFIED_DIR,
@@ -95,8 +136,13 @@ def remember(image_dir: Path, digests: dict[str, tuple[os.stat_result, str]], ro
                 continue
         except OSError:
             continue
-        files[rel] = {"identity": ident, "sha256": digest}
-    _write_record(root, _record_path(image_dir, root).name, {"image": str(image_dir.resolve()), "files": files})
+        if (entry := _hashed(rel, ident, digest)) is not None:
+            files[rel] = entry
+    try:
+        record = VerifiedImage(image=str(image_dir.resolve()), files=files)
+    except RecordError:
+        return  # an image path that is not valid text: its files are hashed every time
+    write_cache(root, _record_path(image_dir, root).name, record)
 
 
 def writable_root(root: Path) -> bool:
@@ -114,13 +160,27 @@ def writable_root(root: Path) -> bool:
         return False  # someone else's directory: never trust, never write
 
 
-def _write_record(root: Path, name: str, document: dict) -> None:
-    """Write a record into ``root`` (made 0700 if missing), only if it is root's private directory."""
+def read_cache(root: Path, name: str, model: type[R]) -> R | None:
+    """The record ``root/name``, or None: absent, not exactly ``model``'s shape (protocol.records),
+    a link, or in a directory or a file that is not root's alone (a record anyone else could have
+    written is no record). Never an error: only a cache."""
+    try:
+        if not (_private(root) and _private(root / name)):
+            return None
+        data = control.read_bytes(root, name)  # never through a link, bounded
+        return None if data is None else model.model_validate_json(data)
+    except (OSError, ControlProtocolError, RecordError):
+        return None
+
+
+def write_cache(root: Path, name: str, record: Record) -> None:
+    """Write ``record`` as ``root/name`` (atomically), only if ``root`` is (or is made) root's
+    private directory (writable_root). A failure is not an error: the next run computes again."""
     try:
         if writable_root(root):
-            write_atomic(root, name, json.dumps(document).encode())
+            control.write_atomic(root, name, record.model_dump_json().encode())
     except OSError:
-        pass  # only a cache: the next restore hashes again
+        pass
 
 
 def forget(image_dir: Path, root: Path = VERIFIED_DIR) -> None:
@@ -148,20 +208,13 @@ def forget(image_dir: Path, root: Path = VERIFIED_DIR) -> None:
 DEPENDENCIES = "dependencies.json"
 
 
-def load_dependencies(root: Path = VERIFIED_DIR) -> dict[str, dict]:
-    """path -> {"identity": [...], "sha256": ...} of host files hashed before; {} when unknown."""
-    record = root / DEPENDENCIES
-    try:
-        if not (_private(root) and _private(record)):
-            return {}
-        data = json.loads(record.read_text())
-    except (OSError, ValueError):
-        return {}
-    files = data.get("files") if isinstance(data, dict) else None
-    return files if isinstance(files, dict) else {}
+def load_dependencies(root: Path = VERIFIED_DIR) -> dict[str, Hashed]:
+    """path -> what was hashed of that host file before; {} when unknown (read_cache)."""
+    cached = read_cache(root, DEPENDENCIES, VerifiedDependencies)
+    return dict(cached.files) if cached is not None else {}
 
 
-def dependency_verified(record: dict[str, dict], path: str, st: os.stat_result, sha256: str) -> bool:
+def dependency_verified(record: dict[str, Hashed], path: str, st: os.stat_result, sha256: str) -> bool:
     """``path`` (``st``: its stat, following links) was hashed to ``sha256`` and has not changed since."""
     return still_verified(record, path, st, sha256)
 
@@ -182,8 +235,11 @@ def remember_dependencies(digests: dict[str, tuple[os.stat_result, str]], root: 
                 continue
         except OSError:
             continue
-        files[path] = {"identity": ident, "sha256": digest}
-    _write_record(root, DEPENDENCIES, {"files": files})
+        if (entry := _hashed(path, ident, digest)) is not None:
+            files[path] = entry
+        else:
+            files.pop(path, None)
+    write_cache(root, DEPENDENCIES, VerifiedDependencies(files=files))
 
 
 # Host checks whose verdict cannot change while the kernel runs (`criu check`), by name: the
@@ -191,28 +247,19 @@ def remember_dependencies(digests: dict[str, tuple[os.stat_result, str]], root: 
 HOST_CHECKS = "host-checks.json"
 
 
-def host_check_passed(name: str, key: list, root: Path = VERIFIED_DIR) -> str | None:
+def host_check_passed(name: Literal["criu"], key: list[Any], root: Path = VERIFIED_DIR) -> str | None:
     """The verdict of check ``name`` remembered for ``key``, or None (never checked, another key,
-    or a record someone else could have written)."""
-    record = root / HOST_CHECKS
-    try:
-        if not (_private(root) and _private(record)):
-            return None
-        data = json.loads(record.read_text())
-    except (OSError, ValueError, RecursionError):
-        return None
-    entry = data.get(name) if isinstance(data, dict) else None
-    if not isinstance(entry, dict) or entry.get("key") != key or not isinstance(entry.get("verdict"), str):
-        return None
-    return entry["verdict"]
+    or no record believed: read_cache)."""
+    checks = read_cache(root, HOST_CHECKS, HostChecks)
+    check: HostCheck | None = getattr(checks, name) if checks is not None else None
+    return check.verdict if check is not None and check.key == key else None
 
 
-def remember_host_check(name: str, key: list, verdict: str, root: Path = VERIFIED_DIR) -> None:
-    record = root / HOST_CHECKS
+def remember_host_check(name: Literal["criu"], key: list[Any], verdict: str, root: Path = VERIFIED_DIR) -> None:
+    """Keep check ``name``'s ``verdict`` for ``key`` (the other checks' as they were)."""
+    checks = read_cache(root, HOST_CHECKS, HostChecks) or HostChecks()
     try:
-        data = json.loads(record.read_text()) if _private(root) and _private(record) else {}
-    except (OSError, ValueError, RecursionError):
-        data = {}
-    data = data if isinstance(data, dict) else {}
-    data[name] = {"key": key, "verdict": verdict}
-    _write_record(root, HOST_CHECKS, data)
+        checks = checks.model_copy(update={name: HostCheck(key=key, verdict=verdict)})
+    except RecordError:
+        return  # a key that is not valid text: the check is only asked again
+    write_cache(root, HOST_CHECKS, checks)

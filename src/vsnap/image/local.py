@@ -1,9 +1,9 @@
 """Local images: list the images under the image roots, and remove one that vsnap made.
 
 Every entry under a root is treated as hostile: links are never followed (a link is reported,
-not listed), an entry is listed only when it passes the trust model (_trust: root's alone, no
+not listed), an entry is listed only when it passes the trust model (host.trust: root's alone, no
 link, FIFO or device inside, every file listed by its manifest) and its manifest reads (bounded,
-_manifest). Nothing is hashed: `vsnap validate IMAGE` does that.
+image.manifest). Nothing is hashed: `vsnap validate IMAGE` does that.
 
 `remove_image` deletes only what vsnap made: a trusted image directory whose manifest lists every
 file in it. It holds the image's capture lock and its readers' lock (both exclusive, not waited
@@ -16,7 +16,6 @@ same path finishes it.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import fcntl
 import json
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from vsnap.host import verified
+from vsnap.host.fs import RENAME_NOREPLACE, renameat2
 from vsnap.host.instances import InstanceRecord, running_instances
 from vsnap.host.paths import DEFAULT_IMAGE_ROOT, require_safe_directory
 from vsnap.host.trust import require_inside, require_trusted_ancestors, require_trusted_tree
@@ -43,7 +43,6 @@ DEFAULT_ROOTS: tuple[Path, ...] = (DEFAULT_IMAGE_ROOT,)
 MAX_ENTRIES = 10_000  # entries looked at in one root; a root of images holds a few dozen
 IMAGE_DIRS = frozenset({CRIU_DIR, SHM_DIR, WEIGHTS_DIR, LOGS_DIR})  # what a capture makes inside an image
 RM_INFIX = ".rm-"
-RENAME_NOREPLACE = 1
 
 Instances = Callable[[], list[InstanceRecord]]
 
@@ -354,14 +353,14 @@ def _raw_manifest(image_dir: Path) -> dict:
 
 
 def _rename_noreplace(source: Path, destination: Path) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    at_fdcwd = -100
-    if hasattr(libc, "renameat2"):
-        if libc.renameat2(at_fdcwd, os.fsencode(source), at_fdcwd, os.fsencode(destination), RENAME_NOREPLACE) == 0:
-            return
-        code = ctypes.get_errno()
-        if code not in (errno.ENOSYS, errno.EINVAL):  # EINVAL: a filesystem without RENAME_NOREPLACE
-            raise OSError(code, os.strerror(code), str(source))
+    """Rename, never replacing what stands at ``destination`` (RENAME_NOREPLACE; where the C
+    library or the filesystem lacks it, a check first: the name is fresh and random)."""
+    try:
+        renameat2(source, destination, RENAME_NOREPLACE)
+        return
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSYS, errno.EINVAL):  # EINVAL: a filesystem without RENAME_NOREPLACE
+            raise
     if os.path.lexists(destination):  # a fresh random name: only a racing root could have made it
         raise OSError(errno.EEXIST, os.strerror(errno.EEXIST), str(destination))
     os.rename(source, destination)

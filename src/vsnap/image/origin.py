@@ -11,15 +11,22 @@ parent (which the pull checked is root's alone), read without following links.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from pathlib import Path
 
 from vsnap.protocol import control
+from vsnap.protocol.records import Record, RecordError
 
 from .manifest import MANIFEST, MAX_MANIFEST_BYTES
 
 MAX_ORIGIN_BYTES = 4096
+
+
+class Origin(Record):
+    """``.NAME.origin``: the reference an image was pulled from, and the manifest.json it came with."""
+
+    reference: str
+    manifest_sha256: str
 
 
 def origin_name(image_dir: Path) -> str:
@@ -46,7 +53,10 @@ def record_origin(image_dir: Path, reference: str) -> None:
     digest = manifest_sha256(image_dir)
     if digest is None:
         return
-    body = json.dumps({"reference": reference, "manifest_sha256": digest}).encode()
+    try:
+        body = Origin(reference=reference, manifest_sha256=digest).model_dump_json().encode()
+    except RecordError:
+        return  # a reference that is not valid text: only a label, and the image is published
     try:
         control.write_atomic(image_dir.parent, origin_name(image_dir), body)
     except OSError:
@@ -63,8 +73,7 @@ def read_origin(image_dir: Path) -> str | None:
     if data is None or len(data) > MAX_ORIGIN_BYTES:
         return None
     try:
-        record = json.loads(data)
-        reference, digest = str(record["reference"]), str(record["manifest_sha256"])
-    except (ValueError, KeyError, TypeError, RecursionError):
-        return None
-    return reference if digest == manifest_sha256(image_dir) else None
+        record = Origin.model_validate_json(data)
+    except RecordError:
+        return None  # not exactly the record vsnap writes: not believed
+    return record.reference if record.manifest_sha256 == manifest_sha256(image_dir) else None

@@ -7,7 +7,6 @@ image by renameat2(RENAME_EXCHANGE), so a good image is never lost to a failed c
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import fcntl
 import hashlib
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from vsnap.host import verified
+from vsnap.host.fs import RENAME_EXCHANGE, renameat2
 from vsnap.host.trust import (
     make_trusted_dirs,
     require_inside,
@@ -35,7 +35,6 @@ from vsnap.protocol.errors import ImageBusy, ImageError, ImageTampered, ImageUnt
 
 from .manifest import MANIFEST, PIECES_SCHEME, SHM_DIR, FileEntry, Manifest
 
-RENAME_EXCHANGE = 2
 CHUNK = 4 << 20
 # Image files are hashed in pieces of this size, all pieces of all files in parallel: one big
 # pages-*.img no longer bounds verification to one core's sha256 speed.
@@ -271,20 +270,14 @@ def fsync_tree(root: Path) -> None:
             os.close(fd)
 
 
-def _rename_exchange(a: Path, b: Path) -> bool:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if not hasattr(libc, "renameat2"):
-        return False
-    at_fdcwd = -100
-    return libc.renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), RENAME_EXCHANGE) == 0
-
-
 def publish(staging: Path, image_dir: Path) -> None:
     """Make ``staging`` visible as ``image_dir`` in one rename; an older image is swapped out, then removed."""
     fsync_tree(staging)
     if os.path.lexists(image_dir):
         require_replaceable(image_dir, force=True)
-        if not _rename_exchange(staging, image_dir):
+        try:
+            renameat2(staging, image_dir, RENAME_EXCHANGE)
+        except OSError:  # no renameat2, or a filesystem without the exchange: the old image goes aside first
             old = image_dir.parent / f".{image_dir.name}.old-{os.getpid()}"
             os.rename(image_dir, old)
             os.rename(staging, image_dir)
@@ -301,7 +294,7 @@ def publish(staging: Path, image_dir: Path) -> None:
 
 def require_trust(image_dir: Path, manifest: Manifest) -> None:
     """The paths a manifest names stay inside the image; the names it asks vsnap to create
-    elsewhere are plain file names (see _trust). Raises ImageUntrusted."""
+    elsewhere are plain file names (see host.trust). Raises ImageUntrusted."""
     for rel in manifest.files:
         require_inside(rel, "manifest 'files'")
     require_plain_names(manifest.shm_files, "manifest 'shm_files'")
@@ -316,7 +309,7 @@ def verify_files(image_dir: Path, manifest: Manifest, *, cache_root: Path | None
     """Every file the manifest lists is a regular file of the recorded size and sha256; no others exist.
 
     With ``cache_root``, files this host already hashed and that did not change since (see
-    _verified) are not hashed again unless ``rehash``, and the ones hashed now are remembered
+    host.verified) are not hashed again unless ``rehash``, and the ones hashed now are remembered
     there. Returns the files that were hashed.
     """
     require_trust(image_dir, manifest)

@@ -8,7 +8,6 @@ kills the tree, so nothing is left running.
 from __future__ import annotations
 
 import os
-import select
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
@@ -43,6 +42,7 @@ from vsnap.host.proctree import (
     our_children,
     reap,
     tree_memory_bytes,
+    wait_gone,
 )
 from vsnap.host.shm import instance_shm_dir, put_back, remove_instance_shm
 from vsnap.host.trust import copy_no_follow, make_trusted_dirs, require_trusted_ancestors
@@ -296,13 +296,5 @@ def _criu_restore(image: Image, instance: _Instance, cleanup: Cleanup, *,
 
 def wait_server(pid: int) -> None:
     """Block until the restored tree's root exits (a pidfd: no polling, no reused PID), then reap it."""
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        reap(pid)
-        return
-    try:
-        select.select([fd], [], [])
-    finally:
-        os.close(fd)
+    wait_gone([pid], None)
     reap(pid)

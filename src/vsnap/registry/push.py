@@ -1,4 +1,4 @@
-"""push_image(): send a local image to an OCI registry as vsnap's artifact (see _oci).
+"""push_image(): send a local image to an OCI registry as vsnap's artifact (see registry.oci).
 
 Phases: verify image (the trust model and every file, as a restore checks them, under the
 image's readers' lock for the whole push, so a capture cannot replace it meanwhile), connect,

@@ -3,26 +3,43 @@
 The digest of a compressed blob is known only once the file is compressed, and that of the
 weights file only once its 16 GB are hashed. A push that ends (or is killed) after some blobs
 records here, for each file sent, the blob made of it (encoding, digest, size) under the file's
-identity (device, inode, size, mtime, ctime, as in _verified): the next push of that image
+identity (device, inode, size, mtime, ctime, as in host.verified): the next push of that image
 asks the registry for those digests (HEAD) and sends only what it lacks. Root-only, under /run:
-a reboot forgets it, and a push then recomputes what it needs.
+a reboot forgets it, and a push then recomputes what it needs. Read and written as host.verified's
+records are (read_cache, write_cache): a record that is not exactly PushedImage is no record.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import threading
 from pathlib import Path
+from typing import Literal
 
 from vsnap.host import verified
 from vsnap.host.paths import RUNTIME_DIR
-from vsnap.protocol.control import write_atomic
+from vsnap.protocol.records import Record, RecordError, field
 
 from .oci import Layer
 
 PUSHED_DIR = RUNTIME_DIR / "pushed"
+
+
+class PushedBlob(Record):
+    """The blob made of one file: under the file's identity then (verified.identity)."""
+
+    identity: list[int]
+    encoding: Literal["raw", "zstd"]
+    digest: str                           # the blob's "sha256:..."
+    size: int = field(ge=0)               # the blob's bytes
+
+
+class PushedImage(Record):
+    """``<root>/<hash of the image's path>.json``: the blobs made of an image's files, by relative path."""
+
+    image: str  # the image directory, resolved: a record found under another image's name is not believed
+    files: dict[str, PushedBlob]
 
 
 class PushedBlobs:
@@ -33,39 +50,31 @@ class PushedBlobs:
         self._root = root
         self._name = hashlib.sha256(os.fsencode(self._image)).hexdigest()[:32] + ".json"
         self._lock = threading.Lock()
-        self._files: dict[str, dict] = self._load()
+        self._files: dict[str, PushedBlob] = self._load()
 
-    def _load(self) -> dict[str, dict]:
-        try:
-            if not (verified._private(self._root) and verified._private(self._root / self._name)):
-                return {}  # a record anyone else could have written is no record
-            data = json.loads((self._root / self._name).read_text())
-        except (OSError, ValueError):
-            return {}
-        if not isinstance(data, dict) or data.get("image") != self._image or not isinstance(data.get("files"), dict):
-            return {}
-        return data["files"]
+    def _load(self) -> dict[str, PushedBlob]:
+        """What the record says, if it is believed (verified.read_cache) and of this image; else {}."""
+        cached = verified.read_cache(self._root, self._name, PushedImage)
+        return dict(cached.files) if cached is not None and cached.image == self._image else {}
 
     def known(self, rel: str, st: os.stat_result, encoding: str) -> Layer | None:
         """The blob made of this file before, if the file did not change since."""
         entry = self._files.get(rel)
         ident = verified.identity(st)
-        if not isinstance(entry, dict) or ident is None or entry.get("identity") != ident \
-                or entry.get("encoding") != encoding or not isinstance(entry.get("digest"), str) \
-                or not isinstance(entry.get("size"), int):
+        if entry is None or ident is None or entry.identity != ident or entry.encoding != encoding:
             return None
-        return Layer(rel, encoding, entry["digest"], entry["size"])  # type: ignore[arg-type]
+        return Layer(rel, entry.encoding, entry.digest, entry.size)
 
     def remember(self, layer: Layer, st: os.stat_result) -> None:
         ident = verified.identity(st)
         if ident is None:
             return
         with self._lock:
-            self._files[layer.path] = {"identity": ident, "encoding": layer.encoding, "digest": layer.digest,
-                                       "size": layer.size}
-            data = json.dumps({"image": self._image, "files": self._files}).encode()
             try:
-                if verified.writable_root(self._root):
-                    write_atomic(self._root, self._name, data)
-            except OSError:
-                pass  # only a cache: the next push recomputes
+                self._files[layer.path] = PushedBlob(identity=ident, encoding=layer.encoding, digest=layer.digest,
+                                                     size=layer.size)
+                record = PushedImage(image=self._image, files=self._files)
+            except RecordError:
+                self._files.pop(layer.path, None)
+                return  # a path or an identity no record can hold: that blob is only made again
+            verified.write_cache(self._root, self._name, record)  # only a cache: a failure is not an error
