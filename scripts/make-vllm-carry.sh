@@ -58,6 +58,8 @@ rm -rf "$CARRY/vllm-stage"   # scratch dir of older versions of this script
 #    imports (flashinfer, cutlass-dsl, tilelang, quack, humming, tokenspeed,
 #    nvcc/nvvm wheels, torchvision/audio/codec, mistral_common, mcp, anthropic,
 #    opentelemetry, fastsafetensors, fastapi-cli/cloud, ...).
+#    nvidia-ml-py (pynvml) is vsnap's, not vLLM 0.26's (which vendors its own copy): vsnap
+#    reads the GPUs' free memory and each process's use through it (host/cuda.py).
 #    openai-harmony, llguidance, xgrammar (+apache-tvm-ffi) ARE required: they
 #    are imported while `vllm.entrypoints.openai.api_server` / `vllm.v1.engine.core`
 #    import (verified by an import trace with a py3.12 + torch 2.11 mirror env).
@@ -89,6 +91,7 @@ llguidance==1.7.6 --hash=sha256:ceec951d29a74309984e3be0fe7f5f56c1362434cd937abd
 loguru==0.7.3 --hash=sha256:31a33c10c8e1e10422bfd431aeb5d351c7cf7fa671e3c4df004162264b28220c
 model-hosting-container-standards==0.1.16 --hash=sha256:47f4f65713120bc3a69feb022981a38db9e557aedf88dbd72077f20588caa12b
 msgspec==0.23.0 --hash=sha256:c08f294663135183bd633efd843645687285a445054a876c37506d4e9de7d80b
+nvidia-ml-py==13.615.71 --hash=sha256:959bf4adf6fe1308e4bd739e722236b0d1ec8392e2cefad33ff70c311380b9b6
 openai==3.57.0 --hash=sha256:f97bc74024c06ced8428b56c4a3594066709d3082779bf9d0b4b6092fbf587a8
 openai-harmony==0.0.8 --hash=sha256:c007d277218a50db8839e599ed78e0fffe5130f614c3f6d93ae257f282071a29
 partial-json-parser==0.2.1.1.post7 --hash=sha256:145119e5eabcf80cbb13844a6b50a85c68bf99d376f8ed771e2a3c3b03e653ae

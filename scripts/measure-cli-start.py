@@ -4,7 +4,7 @@
 
 Each round runs, for every --src in turn (the order alternates between rounds, so a machine that
 slows down or speeds up weighs on both alike), in a new interpreter with PYTHONPATH=SRC from /:
-the imports of the restore path (`import vsnap.cli, vsnap.ops.restore`, timed inside), `vsnap restore
+the imports of the restore path (`import vsnap.cli` and the restore module, timed inside), `vsnap restore
 /nonexistent --json` and `vsnap activate nosuch --json` (wall time: both fail in their first phase),
 then IMAGE restored for real (`restore IMAGE --port 0 --detach --json`), a standby (`--standby
 --detach`) and its activation (`activate ID --port 0 --json`), each stopped afterwards. Of a real
@@ -26,7 +26,9 @@ import threading
 import time
 from typing import Any
 
-IMPORTS = ("import time; t = time.perf_counter(); import vsnap.cli, vsnap.ops.restore; "
+# the restore path's module by either layout (vsnap._restore before the rooms of session 12)
+IMPORTS = ("import time, importlib, importlib.util; t = time.perf_counter(); import vsnap.cli; "
+           "importlib.import_module('vsnap.ops.restore' if importlib.util.find_spec('vsnap.ops') else 'vsnap._restore'); "
            "print(time.perf_counter() - t)")
 
 
@@ -85,7 +87,7 @@ def stop(src: str, instance: str) -> None:
 
 
 def one_round(src: str, image: str, samples: dict[str, list[float]]) -> None:
-    samples.setdefault("imports (import vsnap.cli, vsnap.ops.restore)", []).append(
+    samples.setdefault("imports (vsnap.cli and the restore module)", []).append(
         float(run(src, ["-c", IMPORTS])["stdout"]))
     samples.setdefault("restore /nonexistent --json, wall", []).append(
         vsnap(src, "restore", "/nonexistent", "--json")["wall"])
