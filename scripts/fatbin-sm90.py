@@ -9,8 +9,9 @@ unit), keep every entry built for arch 90 (cubin or PTX, 90a too); if the region
 arch-90 cubin, also keep its highest PTX below 90 (the driver JIT-compiles it); zero the
 payload of every other entry (cubins for sm_75/80/86/89/100/103/110/120, PTX shadowed by a
 sm_90 cubin). Headers, sizes and offsets stay as they are, so the file keeps its layout and
-every symbol; zeroed runs compress to nothing. Only sections named .nv_fatbin are touched
-(nvcc's default); a file without one is left alone.
+every symbol; zeroed runs compress to nothing. Sections named .nv_fatbin (nvcc's default) and
+__nv_relfatbin (relocatable device code kept by -rdc builds, e.g. NCCL's 127 MB) are touched,
+each region by the same rule; a file without either is left alone.
 
 Prints one line per file: bytes zeroed, and the bytes per arch before (for the notes).
 """
@@ -29,7 +30,7 @@ def fatbin_span(path):
     spans = []
     for line in out.splitlines():
         m = re.match(r"\s*\[\s*\d+\]\s+(\S+)\s+\S+\s+[0-9a-f]+\s+([0-9a-f]+)\s+([0-9a-f]+)", line)
-        if m and m.group(1) == ".nv_fatbin":
+        if m and m.group(1) in (".nv_fatbin", "__nv_relfatbin"):
             spans.append((int(m.group(2), 16), int(m.group(3), 16)))
     return spans
 
