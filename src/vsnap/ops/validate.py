@@ -57,9 +57,12 @@ def _validate_spec(path: Path) -> ValidationReport:
     report.checks.append(Check("spec", True, f"{spec.name}: engine {spec.engine}, image {spec.image_dir}"))
     report.checks.extend(preflight(spec.engine))
     if spec.engine == "vllm":
-        from vsnap.spec.vllm_check import require_supported_args
+        from vsnap.spec.vllm_check import require_supported_args, vllm_version_check
 
-        report.checks.append(run_check("vllm arguments", lambda: require_supported_args(spec, str(path))))
+        version = vllm_version_check()  # names the tested versions; a warning on any other
+        report.checks += [version] if version is not None else []
+        report.checks.append(run_check("vllm arguments",
+                                       lambda: require_supported_args(spec, str(path), warn=None)))
     report.checks.append(run_check("image directory", lambda: (
         require_trusted_ancestors(spec.image_dir), f"{spec.image_dir.parent} is root's alone (or will be made so)")[1]))
     if spec.model is not None:

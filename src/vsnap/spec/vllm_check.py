@@ -1,4 +1,5 @@
-"""The vLLM argument and model rules, run from the orchestrator (validate, capture preflight).
+"""The vLLM argument and model rules, run from the orchestrator (validate, capture preflight),
+and the installed vLLM against the versions they were tested with.
 
 Imports vLLM (slow, seconds), so only for `engine: vllm` specs.
 """
@@ -11,8 +12,11 @@ import os
 import site
 import sys
 import sysconfig
+from collections.abc import Callable
 from pathlib import Path
 
+from vsnap.engine.adapters.vllm.compat import TESTED_VLLM
+from vsnap.host.facts import Check, vllm_version
 from vsnap.host.trust import require_trusted_file, require_trusted_path, unreadable_by_others, untrusted_module
 from vsnap.protocol.errors import HostNotReady, ImageUntrusted, SpecError, SpecIssue
 
@@ -28,11 +32,45 @@ def _issues(source: str, refusals: list) -> SpecError:
                           "the rules")
 
 
-def require_supported_args(spec: ModelSpec, source: str = "model.yaml") -> str:
-    """Parse the spec's serve arguments with vLLM's parser and apply the argument rules.
+VERSION_CHECK = "vllm version"
+
+
+def _to_stderr(line: str) -> None:
+    print(f"warning: {line}", file=sys.stderr, flush=True)
+
+
+def tested_vllm(version: str) -> bool:
+    """Is ``version`` one vsnap was tested with? A local label (``0.26.0+cu130``) is the same
+    release; anything else, a patch release or a pre-release among them, is not."""
+    return version.split("+", 1)[0] in TESTED_VLLM
+
+
+def vllm_version_check(version: str | None = None) -> Check | None:
+    """The installed vLLM (or ``version``) against TESTED_VLLM: ok when it is one of them; else a
+    warning in one line, not a refusal, since a vLLM in the extra's range usually works (the
+    capture's rehearsal still has to pass). None when no vLLM is installed (the engine's own
+    preflight check says so)."""
+    version = vllm_version() if version is None else version
+    if version is None:
+        return None
+    tested = ", ".join(TESTED_VLLM)
+    if tested_vllm(version):
+        return Check(VERSION_CHECK, True, f"vllm {version}, one of the versions vsnap is tested with ({tested})")
+    return Check(VERSION_CHECK, True, f"vllm {version} is not a version vsnap is tested with ({tested}): the "
+                                      "snapshot rules and the engine adapter may not fit it", warning=True)
+
+
+def require_supported_args(spec: ModelSpec, source: str = "model.yaml",
+                           warn: Callable[[str], None] | None = _to_stderr) -> str:
+    """Parse the spec's serve arguments with vLLM's parser and apply the argument rules. An
+    installed vLLM vsnap was not tested with is first said to ``warn`` (a capture's preflight: one
+    line on stderr; `vsnap validate` shows vllm_version_check as its own row and passes None).
 
     vLLM logs to stdout (its logging handler is bound to sys.stdout when vLLM is first imported);
     here that goes to stderr, so that `--json` output stays one document on stdout."""
+    version = vllm_version_check()
+    if warn is not None and version is not None and version.warning:
+        warn(version.detail)
     with contextlib.redirect_stdout(sys.stderr):
         return _require_supported_args(spec, source)
 

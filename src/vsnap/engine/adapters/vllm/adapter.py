@@ -2,7 +2,7 @@
 vLLM's CPU backend.
 
 CPU backend: there is no CUDA state and vLLM refuses sleep mode, so nothing is released: the
-weights and the (small, see vllm_rules.CPU_KV_CACHE_BYTES) KV cache stay in the tree's memory,
+weights and the (small, see vllm.rules.CPU_KV_CACHE_BYTES) KV cache stay in the tree's memory,
 in the image. prepare() computes the oracle and prebuilds the app; recover() has nothing to
 refill; the launcher re-runs the oracle as on a GPU.
 
@@ -17,10 +17,10 @@ serve(): vLLM's own OpenAI app on the socket bound after activation.
 
 Tensor parallelism (tensor_parallel_size 2, one worker process per GPU): every worker method
 runs on each rank (results merged by merge_ranks; one weights file per rank). Before each sleep
-the workers drop their CUDA graphs and destroy their NCCL communicators (vllm_tp); after each
+the workers drop their CUDA graphs and destroy their NCCL communicators (vllm.tp); after each
 wake they rebuild the communicators and capture the graphs again, in the rehearsal and at every
 restore (``nccl_init_s``, ``graph_capture_s``). With one rank the same drop and recapture run
-when vllm_rules.TP1_RECAPTURE_ENV is 1 in the capture's environment.
+when vllm.rules.TP1_RECAPTURE_ENV is 1 in the capture's environment.
 """
 
 from __future__ import annotations
@@ -207,7 +207,7 @@ class VllmAdapter(EngineAdapter):
         """Sleep level 2, then release what the next wake rebuilds by itself. The rehearsal runs
         this too, so a restore wakes from exactly the state the capture checkpointed. With
         tensor parallelism (or the one-rank opt-in) the workers first drop their CUDA graphs and
-        NCCL communicators, awake (vllm_tp)."""
+        NCCL communicators, awake (vllm.tp)."""
         ours = self._ours
         if ours:  # no page of the weights file may stay locked into the checkpoint
             await self._rpc("vsnap_unlock_weights_file", False)

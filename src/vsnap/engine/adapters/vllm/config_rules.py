@@ -1,9 +1,10 @@
 """The model rules: which resolved vLLM configurations vsnap can capture (the second of the two
 stages rules describes), on vLLM's own VllmConfig before workers are built: a generation model,
 not multimodal (untried), no KV/EC transfer, weights that can be reloaded from safetensors, no
-CPU offload; on CUDA sleep mode on; on vLLM's CPU backend (no CUDA checkpoint, no sleep: weights
-and KV cache stay in the image) a head size its attention supports; tensor parallelism alone,
-with the settings the argument rules gave it still in force.
+CPU offload; on CUDA sleep mode on, through vLLM's cumem allocator as vLLM sleeps by default; on
+vLLM's CPU backend (no CUDA checkpoint, no sleep: weights and KV cache stay in the image) a head
+size its attention supports; tensor parallelism alone, with the settings the argument rules gave
+it still in force.
 
 Quantization, mixture of experts, LoRA adapters and speculative decoding are not refused: the
 capture's rehearsal (sleep, wake, refill, oracle) decides, and configuration_support says which of
@@ -21,6 +22,7 @@ from .rules import (
     LOAD_BALANCING_FLAGS,
     LOCAL,
     SINGLE_RANK_SIZES,
+    SLEEP_SETTINGS,
     TENSOR_PARALLEL_SIZES,
     TP_ARGUMENTS,
     TP_PASS_CONFIG,
@@ -76,7 +78,17 @@ def config_refusals(config: Any, *, is_cuda: bool) -> list[Refusal]:
         refuse("offload_group_size", "CPU offload is not supported")
     if is_cuda and not model.enable_sleep_mode:
         refuse("enable_sleep_mode", "snapshots need sleep mode")
+    elif is_cuda:
+        refusals += sleep_refusals(model)
     return refusals
+
+
+def sleep_refusals(model: Any) -> list[Refusal]:
+    """How the resolved ModelConfig sleeps, against SLEEP_SETTINGS (backing up argument_refusals:
+    a default vLLM or a plugin set may differ). A field this vLLM does not have (0.26 has only
+    sleep_mode_backend) reads as its default."""
+    return [Refusal(name, reason) for name, (default, reason) in SLEEP_SETTINGS.items()
+            if getattr(model, name, default) not in (None, default)]
 
 
 def _tensor_parallel_config_refusals(config: Any, *, is_cuda: bool) -> list[Refusal]:

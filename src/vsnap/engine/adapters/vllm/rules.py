@@ -11,8 +11,8 @@ Two stages, as in vLLM's startup-snapshot reference:
   safetensors, no CPU offload; on CUDA sleep mode on; on vLLM's CPU backend (no CUDA checkpoint,
   no sleep: weights and KV cache stay in the image) a head size its attention supports.
 
-The same rules hold for vLLM 0.26.0 and 0.32.0; the names that moved between them come from
-compat.
+The same rules hold for vLLM 0.26.0, 0.32.0 and 0.33.0; the names that moved between them come
+from compat.
 
 The engine runs as root and a model.yaml may come from anyone, so serve arguments through which
 the spec would choose code for the engine to run, or a path for it to write, are refused by name
@@ -66,6 +66,20 @@ SINGLE_RANK_SIZES: dict[str, str] = {
 LOCAL = "snapshots need local single-rank execution"
 EXPERT = ("expert parallelism uses all-to-all buffers in peer or NVSHMEM memory, which a CUDA checkpoint cannot "
           "carry (leave it off: the experts are then split by tensor parallelism)")
+# How vLLM sleeps: vsnap sleeps the engine before the checkpoint and wakes it after every restore
+# through vLLM's cumem allocator (the weights and KV cache tags, vsnap's weights file and its CUDA
+# graph pool in that allocator). Settings that change it (0.32 and 0.33 added them; 0.26 only
+# has the backend, without a flag) must keep their defaults: name -> (the default, why).
+SLEEP_SETTINGS: dict[str, tuple[Any, str]] = {
+    "sleep_mode_backend": ("cumem", "vsnap sleeps and wakes the engine through vLLM's cumem allocator (its weights "
+                                    "and KV cache tags, vsnap's weights file and graph pool); another backend is "
+                                    "untried (leave it cumem)"),
+    "sleep_mode_offload_cudagraph": (False, "vsnap keeps the CUDA graphs in its own pool of the sleep allocator; "
+                                            "vLLM's copy of graph memory to host memory during sleep is untried with "
+                                            "it (leave it off)"),
+    "enable_nccl_comm_suspend": (False, "vsnap destroys and rebuilds the NCCL communicators around the checkpoint "
+                                        "itself; suspending them in sleep is untried with that (leave it off)"),
+}
 LOAD_BALANCING_FLAGS: dict[str, str] = {
     "data_parallel_external_lb": LOCAL,
     "data_parallel_hybrid_lb": LOCAL,
@@ -184,9 +198,10 @@ REFUSED_FIELDS: dict[tuple[str, str], str] = {
     ("logging_config", "pylogging_config_file"): "a logging configuration can build any Python object by name and "
                                                  "open any file for writing, as root",
     ("ec_manager_config", "encoder_cache_manager_cls"): f"vLLM imports this class by name: {CODE}",
+    ("watchdog_config", "dump_dir"): "vLLM's watchdog would write its stack dumps into this directory, as root",  # 0.33
 }
 # Names that, on an argument or a field nobody has classified above (a vLLM newer than the ones
-# read: 0.26.0, 0.32.0), say it names a file, a directory, a module or a class: refused until it is.
+# read: 0.26.0, 0.32.0, 0.33.0), say it names a file, a directory, a module or a class: refused until it is.
 SUSPECT_NAME = re.compile(r"(^|_)(cls|class|path|paths|dir|dirs|file|files|module|plugin|plugins|passes|"
                           r"endpoint|url|uri)$")
 # checked below (paths_read, worker_extension_cls), or harmless (root_path: the URL prefix behind a proxy)
@@ -285,7 +300,7 @@ def value_refusals(argument: str, dest: str, value: Any, config: bool = False) -
         if not isinstance(value, str) or not QUALNAME.fullmatch(value) or "__main__" in value.split("."):
             return [Refusal(argument, "must be package.module.Class, the qualified name of a class in a module "
                                       "installed in root's site-packages")]
-        return []  # where it resolves, _vllm_check decides (root's own site-packages only)
+        return []  # where it resolves, spec.vllm_check decides (root's own site-packages only)
     if dest == "spec_method" and value == "custom_class":
         return [Refusal(argument, f"a custom proposer class is imported by name: {CODE}")]
     if _suspect(dest, value) and dest not in NOT_SUSPECT:
@@ -508,6 +523,9 @@ def argument_refusals(args: argparse.Namespace, environ: dict[str, str] | None =
         refuse("max_cpu_loras", f"{adapters} LoRA adapters are given at boot but vLLM keeps {cpu_slots} in memory: the "
                                 f"others would be read from disk again after every restore (set max_cpu_loras to "
                                 f"at least {adapters})")
+    for name, (default, reason) in SLEEP_SETTINGS.items():
+        if getattr(args, name, default) not in (None, default):
+            refuse(name, reason)
     if getattr(args, "logprobs_mode", None) in ("raw_logits", "processed_logits"):
         refuse("logprobs_mode", "the oracle compares log probabilities, not logits")
     if platform.system() != "Linux" or platform.machine() != "x86_64":

@@ -1,6 +1,6 @@
 """The spec's vLLM serve arguments as the spec wrote them (``-`` or ``_`` in a key), and what the
 restored server reads from them when it starts (its TLS files). No imports beyond typing: a
-restore asks these before anything else of vLLM's rules is needed (vllm_rules costs ~20 ms to
+restore asks these before anything else of vLLM's rules is needed (vllm.rules costs ~20 ms to
 import)."""
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ boot. The capture's rehearsal runs the whole cycle once, so a restore never runs
 first time.
 
 With one rank there is no communicator: the same methods drop and capture the graphs only
-(vllm_rules.TP1_RECAPTURE_ENV turns that on, so one GPU exercises the path).
+(vllm.rules.TP1_RECAPTURE_ENV turns that on, so one GPU exercises the path).
 
 ``TensorParallelExtension`` is mixed into vsnap's worker extension (weights.extension); the engine
 calls its methods through ``collective_rpc``, which runs them on every rank at once (each step

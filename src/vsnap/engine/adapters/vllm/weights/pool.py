@@ -9,6 +9,7 @@ import bisect
 import warnings
 from typing import Any, Callable
 
+from .. import compat as vllm_compat
 from .layout import storage_view
 
 # The CUDA graph pool's allocations in vLLM's sleep-mode allocator carry the KV cache's tag: vLLM
@@ -54,7 +55,7 @@ def route_graph_pool_to_sleep_allocator() -> bool:
                 plug = cumem.get_pluggable_allocator(allocator.python_malloc_callback,
                                                      allocator.python_free_callback)
                 pool = torch.cuda.memory.MemPool(plug._allocator)
-                allocator.allocator_and_pools["vsnap_cudagraph_pool"] = (pool, plug)  # kept alive with the others
+                vllm_compat.keep_pool(allocator, "vsnap_cudagraph_pool", pool, plug)  # kept alive with the others
                 cls._global_graph_pool = pool.id
             else:
                 cls._global_graph_pool = self.graph_pool_handle()
