@@ -3,8 +3,8 @@
 
 Usage: fatbin-sm90.py [--dry-run] [--arch 90] FILE.so ...
 
-The same rule as scripts/make-vllm-carry.sh (vLLM 0.26, SM90_ONLY=1), in one place for the
-vLLM 0.33 carry (torch 2.14, NCCL, vLLM's kernels): per fatbin region (one per compilation
+The rule both carries apply (scripts/make-vllm-carry.sh with SM90_ONLY=1 for vLLM 0.26's _C and
+_moe_C; scripts/make-vllm033-carry.sh for torch 2.14, NCCL and vLLM 0.33's kernels): per fatbin region (one per compilation
 unit), keep every entry built for arch 90 (cubin or PTX, 90a too); if the region has no
 arch-90 cubin, also keep its highest PTX below 90 (the driver JIT-compiles it); zero the
 payload of every other entry (cubins for sm_75/80/86/89/100/103/110/120, PTX shadowed by a

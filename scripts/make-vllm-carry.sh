@@ -170,47 +170,8 @@ if [ "$STRIP" = 1 ] && command -v strip >/dev/null; then
   find "$VLLM_DIR" -name '*.so' -exec strip --strip-unneeded {} +
 fi
 if [ "$SM90_ONLY" = 1 ]; then
-  for so in _C_stable_libtorch.abi3.so _moe_C_stable_libtorch.abi3.so; do
-  "$PY" - "$VLLM_DIR/$so" <<'PYPRUNE'
-# Zero the payload of .nv_fatbin entries a sm_90 GPU can never load (headers and
-# offsets untouched). Per fatbin region (one per compilation unit): keep every
-# arch-90 entry (ELF/PTX, incl. 90a); if the region has no arch-90 ELF, also keep
-# the highest PTX with arch < 90 (driver JIT); zero the rest.
-import re, struct, subprocess, sys
-path = sys.argv[1]
-out = subprocess.run(["readelf", "-SW", path], capture_output=True, text=True, check=True).stdout
-span = None
-for l in out.splitlines():
-    m = re.match(r"\s*\[\s*\d+\]\s+(\S+)\s+\S+\s+[0-9a-f]+\s+([0-9a-f]+)\s+([0-9a-f]+)", l)
-    if m and m.group(1) == ".nv_fatbin":
-        span = (int(m.group(2), 16), int(m.group(3), 16))
-off, size = span
-buf = bytearray(open(path, "rb").read())
-data = memoryview(buf)[off:off + size]
-pos = zeroed = 0
-while pos + 16 <= size:
-    magic, _v, hsize, fsize = struct.unpack_from("<IHHQ", data, pos)
-    if magic != 0xBA55ED50:
-        pos += 8
-        continue
-    ents, epos, end = [], pos + hsize, pos + hsize + fsize
-    while epos < end:
-        kind, _u, ehsize, psize = struct.unpack_from("<HHIQ", data, epos)
-        arch = struct.unpack_from("<I", data, epos + 28)[0]
-        ents.append((kind, arch, epos + ehsize, psize))
-        epos += ehsize + psize
-    has_elf90 = any(k == 2 and a == 90 for k, a, _, _ in ents)
-    ptx_lo = [a for k, a, _, _ in ents if k == 1 and a < 90]
-    best_ptx = max(ptx_lo) if (ptx_lo and not has_elf90) else None
-    for kind, arch, p, n in ents:
-        if not (arch == 90 or (kind == 1 and arch == best_ptx)):
-            data[p:p + n] = bytes(n)
-            zeroed += n
-    pos = end
-open(path, "wb").write(buf)
-print(f"   SM90_ONLY: zeroed {zeroed / 1e6:.1f} MB of non-sm_90 fatbin payload in {path.split('/')[-1]}")
-PYPRUNE
-  done
+  # fatbin-sm90.py: the rule, shared with the 0.33 carry (same bytes as the inline copy it replaced)
+  "$PY" "$HERE/fatbin-sm90.py" "$VLLM_DIR/_C_stable_libtorch.abi3.so" "$VLLM_DIR/_moe_C_stable_libtorch.abi3.so"
 fi
 after=$(du -sb "$VLLM_DIR" | cut -f1)
 echo "   vllm package: $((before / 1000000)) MB -> $((after / 1000000)) MB unpacked"
