@@ -366,3 +366,62 @@ def test_a_bind_in_another_user_namespace_does_not_pin_a_directory(tmp_path: Pat
     finally:
         other.kill()
         other.wait()
+
+
+def test_a_restore_killed_while_criu_runs_is_tracked_and_stopped(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hostile pass 12: a restore SIGKILLed in CRIU left a tree running for 15-20 s that `vsnap ps` called
+    gone and `vsnap stop` could not find. The record names CRIU (here an `unshare` whose child is
+    the namespace's PID 1, as CRIU's is) and the tree is adopted from it."""
+    import subprocess
+
+    from vsnap.host.instances import ProcessRef, instance_records, running_instances
+    from vsnap.host.proctree import is_same
+    from vsnap.ops.stop import stop_server
+
+    monkeypatch.setattr(_instances, "RUNTIME_DIR", tmp_path / "run")
+    dead = subprocess.Popen(["sleep", "60"])  # the restoring vsnap, then SIGKILLed
+    owner = ProcessRef.of(_instances.identify(dead.pid))
+    dead.kill()
+    dead.wait()
+    criu = NamespaceTree()
+    try:
+        directory = tmp_path / "ctl.instances" / "r-0000001a"
+        directory.mkdir(parents=True, mode=0o700)
+        os.chmod(directory.parent, 0o700)
+        register(InstanceRecord(id="r-0000001a", image="/i", name="n", state="restoring", owner=owner,
+                                criu=ProcessRef.of(_instances.identify(criu.unshare.pid)),
+                                instance_dir=str(directory), started_at=time.time()))
+        running, gone = instance_records()
+        assert gone == [] and [r.id for r in running] == ["r-0000001a"]
+        assert running[0].tree == criu.ref  # adopted, and saved
+        assert running_instances()[0].tree == criu.ref
+        stop_server(running[0])
+        deadline = time.monotonic() + 10
+        while is_same(criu.ref.identity) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not is_same(criu.ref.identity)
+        assert running_instances() == []
+    finally:
+        criu.close()
+
+
+def test_only_stale_criu_pidfiles_of_vsnap_are_removed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restore killed in CRIU left RUNTIME_DIR/pids/<id>.pid for ever; the prune removes such a file
+    once its instance has no record, and nothing else in that directory."""
+    from vsnap.host.instances import pidfile_dir, prune_dead_runs
+
+    monkeypatch.setattr(_instances, "RUNTIME_DIR", tmp_path / "run")
+    pids = pidfile_dir()
+    pids.mkdir(parents=True, mode=0o700)
+    directory = tmp_path / "ctl.instances" / "r-0000000b"
+    directory.mkdir(parents=True, mode=0o700)
+    register(InstanceRecord(id="r-0000000b", image="/i", name="n", state="restoring", owner=this_process(),
+                            instance_dir=str(directory), started_at=time.time()))
+    for name in ("r-0000000a.pid", "r-0000000b.pid", "notes.pid", "r-0000000d.pid", "r-0000000e.txt"):
+        (pids / name).write_text("123\n")
+    os.chown(pids / "r-0000000d.pid", 65534, 65534)
+    (pids / "r-0000000c.pid").symlink_to(tmp_path / "elsewhere")
+    prune_dead_runs()
+    assert sorted(p.name for p in pids.iterdir()) == ["notes.pid", "r-0000000b.pid", "r-0000000c.pid",
+                                                       "r-0000000d.pid", "r-0000000e.txt"]

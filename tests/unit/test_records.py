@@ -42,10 +42,15 @@ class Outer(Record):
     anything: Any = None
 
 
+# Fields added since, with the value a record written without them reads as (issue 26: the CRIU
+# process of a restore in flight).
+ADDED_SINCE: dict[str, dict[str, Any]] = {"instance": {"criu": None}}
+
+
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_what_pydantic_wrote_reads_the_same_and_round_trips(kind: str) -> None:
     record = KINDS[kind].model_validate_json(json.dumps(WRITTEN[kind]))
-    assert record.model_dump() == WRITTEN[kind]  # every field, none added or lost
+    assert record.model_dump() == {**WRITTEN[kind], **ADDED_SINCE.get(kind, {})}  # none lost, none added unnamed
     assert type(record).model_validate_json(record.model_dump_json()) == record
     assert type(record).model_validate_json(record.model_dump_json(indent=2)) == record
 

@@ -12,6 +12,14 @@ ended, or whose PID now belongs to another process, is "gone": shown once as suc
 and never signalled. A restore registers its instance as "restoring" (owned by the restoring
 vsnap process) before CRIU runs, so `vsnap stop` sees it; it turns "serving" once the oracle passed,
 or "standby" once CRIU returned (`vsnap restore --standby`; "activating" while `vsnap activate` runs).
+
+While CRIU restores, the record also names the CRIU process (``criu``). A restore whose vsnap
+process dies then (SIGKILL, OOM) leaves CRIU running, and CRIU leaves a tree: the record stays
+"running" while CRIU or that tree lives, and the first look at it (`vsnap ps`, `vsnap stop`, the
+next restore's prune) adopts the tree into it (CRIU's child while CRIU runs, else the PID CRIU
+wrote to its pidfile, checked), so `vsnap stop` ends it and `vsnap ps` shows it until it is gone.
+CRIU's pidfiles (RUNTIME_DIR/pids/<id>.pid) that no live restore uses are removed by
+prune_dead_runs.
 """
 
 from __future__ import annotations
@@ -30,13 +38,14 @@ from vsnap.protocol.records import Record, field
 
 from .mounts import mount_roots
 from .paths import RUNTIME_DIR, require_plain_path, require_runtime_dir
-from .proctree import ProcessIdentity, identify, is_same
+from .proctree import ProcessIdentity, identify, is_same, is_tree_root
 from .shm import remove_instance_shm, remove_orphans, shm_dir_of
 from .trust import make_trusted_dirs
 
 PID_MAX = 1 << 22  # the kernel's pid_max can be at most 4194304
 INSTANCE_NAME = re.compile(r"(?:capture|r|cold)-[0-9a-f]{8}")  # what new_instance_dir makes
 STOP_REQUEST = "stop.request"  # written into a restoring instance's directory by `vsnap stop`
+ORPHAN_FORK_WAIT_S = 2.0  # how long a look at an orphaned CRIU waits for it to fork the tree's root
 
 
 class ProcessRef(Record):
@@ -70,6 +79,7 @@ class InstanceRecord(Record):
     state: Literal["restoring", "standby", "activating", "serving"]
     owner: ProcessRef                 # the vsnap process that restores (or restored) it
     tree: ProcessRef | None = None    # the restored tree's root, once CRIU returned
+    criu: ProcessRef | None = None    # the `criu restore` process, from its start (a record of a restore)
     activator: ProcessRef | None = None  # the `vsnap activate` process, while activating
     image_digest: str = ""            # the image's manifest, as restored (an activation checks it)
     url: str = ""
@@ -98,7 +108,7 @@ class InstanceRecord(Record):
     def running(self) -> bool:
         """The processes this record names are still those processes."""
         if self.state == "restoring":
-            return is_same(self.owner.identity) or (self.tree is not None and is_same(self.tree.identity))
+            return any(ref is not None and is_same(ref.identity) for ref in (self.owner, self.criu, self.tree))
         return self.tree is not None and is_same(self.tree.identity)
 
 
@@ -161,6 +171,123 @@ def unregister(instance_id: str) -> None:
         pass
 
 
+def pidfile_dir() -> Path:
+    """CRIU's pidfiles: a directory of root's alone, never inside a tree's control directory (the
+    restore makes it)."""
+    return RUNTIME_DIR / "pids"
+
+
+def pidfile_of(instance_id: str) -> Path:
+    """Where CRIU writes the restored root's PID for this instance."""
+    return pidfile_dir() / f"{instance_id}.pid"
+
+
+def _criu_child_root(criu: ProcessRef) -> ProcessIdentity | None:
+    """The tree's root while CRIU restores it: CRIU's child that is the first process of a PID
+    namespace of its own and started after CRIU did (CRIU forked it)."""
+    import psutil
+
+    try:
+        children = psutil.Process(criu.pid).children()
+    except psutil.Error:
+        return None
+    for child in children:
+        identity = identify(child.pid)
+        if identity is not None and identity.start_time >= criu.start_time and is_tree_root(identity) \
+                and is_same(criu.identity):  # still CRIU's: its children are the ones we listed
+            return identity
+    return None
+
+
+def _mounts_instance_dir(pid: int, instance_id: str) -> bool:
+    """Does ``pid`` see a mount whose root is this instance's directory (its control directory,
+    which only this instance's tree binds: instance names are random)?"""
+    try:
+        with open(f"/proc/{pid}/mountinfo", "rb") as f:
+            return any(len(fields) > 4 and PurePosixPath(os.fsdecode(fields[3])).name == instance_id
+                       for fields in (line.split() for line in f))
+    except OSError:
+        return False
+
+
+def _pidfile_root(record: InstanceRecord, criu: ProcessRef) -> ProcessIdentity | None:
+    """The tree's root after CRIU exited, from the pidfile CRIU wrote (in root's own directory, read
+    without following links): that PID only if it is the first process of a PID namespace, started
+    after that CRIU and seeing this instance's directory mounted (a PID reused since is none of these)."""
+    try:
+        fd = os.open(pidfile_of(record.id), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        text = os.read(fd, 32) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+    finally:
+        os.close(fd)
+    try:
+        pid = int(text.strip() or b"0")
+    except ValueError:
+        return None
+    identity = identify(pid) if 0 < pid <= PID_MAX else None
+    if identity is None or identity.start_time < criu.start_time or identity.boot_id != criu.boot_id:
+        return None
+    return identity if is_tree_root(identity) and _mounts_instance_dir(pid, record.id) else None
+
+
+def _orphaned_root(record: InstanceRecord, criu: ProcessRef) -> ProcessIdentity | None:
+    """The root of the tree an orphaned CRIU restores or restored. A CRIU that has not forked it yet
+    is given ORPHAN_FORK_WAIT_S to (or to exit): a tree it forks later would belong to no record."""
+    deadline = time.monotonic() + ORPHAN_FORK_WAIT_S
+    while is_same(criu.identity):
+        root = _criu_child_root(criu)
+        if root is not None or time.monotonic() > deadline:
+            return root
+        time.sleep(0.02)
+    return _pidfile_root(record, criu)
+
+
+def adopt_orphaned_tree(record: InstanceRecord) -> InstanceRecord:
+    """A restoring record whose vsnap process died while CRIU ran, with the tree CRIU restored
+    named as its ``tree`` (and saved), so that stop ends it and ps shows it until it is gone; any
+    other record as it is. Once adopted, CRIU's pidfile for it has served and is removed."""
+    criu = record.criu
+    if record.state != "restoring" or record.tree is not None or criu is None or is_same(record.owner.identity):
+        return record
+    root = _orphaned_root(record, criu)
+    if root is None:
+        return record
+    adopted = record.model_copy(update={"tree": ProcessRef.of(root)})
+    register(adopted)
+    if not is_same(criu.identity):
+        pidfile_of(record.id).unlink(missing_ok=True)
+    return adopted
+
+
+def remove_stale_pidfiles() -> list[str]:
+    """Remove CRIU pidfiles of restores that no longer run: only files this vsnap names
+    (``<instance id>.pid``, regular, root's) in its own pids directory, and only those whose
+    instance has no record (a restore registers its record before CRIU starts and a record goes
+    once nothing it names runs, so a restore in flight, even one that began after our listing,
+    keeps its pidfile)."""
+    try:
+        entries = list(os.scandir(pidfile_dir()))
+    except OSError:
+        return []
+    records = registry_dir()
+    removed = []
+    for entry in entries:
+        name = entry.name
+        if not name.endswith(".pid") or not INSTANCE_NAME.fullmatch(name[:-4]) \
+                or os.path.lexists(records / f"{name[:-4]}.json"):
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+            (pidfile_dir() / name).unlink(missing_ok=True)
+            removed.append(name)
+    return removed
+
+
 def instance_records() -> tuple[list[InstanceRecord], list[InstanceRecord]]:
     """(running, gone): every record, checked against the processes it names. Gone records (ended,
     PID reused) are removed on the way; records that do not parse are skipped and kept."""
@@ -175,6 +302,7 @@ def instance_records() -> tuple[list[InstanceRecord], list[InstanceRecord]]:
             continue
         if record is None or path.name != f"{record.id}.json":  # a record under another's name: never acted on
             continue
+        record = adopt_orphaned_tree(record)
         if record.running:
             running.append(record)
         else:
@@ -270,4 +398,5 @@ def prune_dead_runs() -> list[str]:
         remove_instance_shm(Path(record.shm_dir))
         unregister_capture(record.id)
         cleaned.append(record.id)
+    remove_stale_pidfiles()
     return cleaned + remove_orphans(known)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import ctypes
 import os
 import select
-import shutil
 import signal
 import stat
 import subprocess
@@ -20,7 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from vsnap.protocol.errors import HostNotReady, ProcessTreeError
+from vsnap.protocol.errors import ProcessTreeError
+
+from .executables import resolve_executable
 
 # psutil (12 ms to import on a loaded 2-core VM) is imported by the functions that use it: a
 # restore of a CPU engine never does, and every command's start paid for it.
@@ -147,11 +148,21 @@ def is_same(identity: ProcessIdentity) -> bool:
     return identify(identity.pid) == identity
 
 
+UTIL_LINUX_HINT = "apt-get install util-linux"
+
+
 def find_unshare() -> str:
-    path = shutil.which("unshare")
-    if not path:
-        raise HostNotReady("unshare", "unshare (util-linux) is not installed", hint="apt-get install util-linux")
-    return path
+    """unshare's absolute path, root's alone (host.executables), or HostNotReady naming it (or
+    naming sh or mount, which it runs: the preflight's "unshare" check covers all three)."""
+    find_tree_helpers()
+    return str(resolve_executable("unshare", missing_hint=UTIL_LINUX_HINT))
+
+
+def find_tree_helpers() -> tuple[str, str]:
+    """The absolute paths of ``sh`` and ``mount``, which start the tree inside its namespaces: the
+    shell would otherwise look ``mount`` up on the PATH of the engine's environment."""
+    return (str(resolve_executable("sh", missing_hint="install a POSIX shell (dash)")),
+            str(resolve_executable("mount", missing_hint=UTIL_LINUX_HINT)))
 
 
 @dataclass
@@ -165,8 +176,8 @@ class LaunchedTree:
 
 # Inside the new mount namespace (private propagation), bind the instance directory at the
 # control path and the instance's shm directory at /dev/shm, then become the engine: PID 1 stays
-# the engine after exec.
-_BIND_AND_EXEC = 'mount --bind "$1" "$2" && mount --bind "$4" /dev/shm && exec "$3" -m vsnap.engine "$2"'
+# the engine after exec. ``$5`` is mount's absolute path (find_tree_helpers).
+_BIND_AND_EXEC = '"$5" --bind "$1" "$2" && "$5" --bind "$4" /dev/shm && exec "$3" -m vsnap.engine "$2"'
 
 
 def launch_tree(control_dir: Path, instance_dir: Path, shm_dir: Path, env: dict[str, str],
@@ -178,9 +189,10 @@ def launch_tree(control_dir: Path, instance_dir: Path, shm_dir: Path, env: dict[
     at which the tree belongs to no one."""
     import psutil  # before the tree exists: the first import takes a while
 
+    sh, mount = find_tree_helpers()
     argv = [find_unshare(), "--pid", "--fork", "--mount-proc", "--net", "--propagation", "private",
-            "sh", "-c", _BIND_AND_EXEC, "vsnap-engine", str(instance_dir), str(control_dir), sys.executable,
-            str(shm_dir)]
+            sh, "-c", _BIND_AND_EXEC, "vsnap-engine", str(instance_dir), str(control_dir), sys.executable,
+            str(shm_dir), mount]
     log_path = instance_dir / "engine.log"
     # 0600 from the start: CRIU checks the log's mode when it reopens it at restore
     log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)

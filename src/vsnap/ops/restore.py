@@ -19,23 +19,26 @@ from vsnap.host import gpu_early
 from vsnap.host.cleanup import Cleanup
 from vsnap.host.criu.options import LazyPagesOptions, RestoreOptions
 from vsnap.host.criu.runner import CriuRunner, LazyPagesServer
-from vsnap.host.events import ProgressCallback, Timings
+from vsnap.host.events import ProgressCallback, Timings, failpoint
 from vsnap.host.facts import check_criu_this_boot, check_root
 from vsnap.host.http import check_port_free
 from vsnap.host.instances import (
     InstanceRecord,
     ProcessRef,
     new_instance_dir,
+    pidfile_dir,
+    pidfile_of,
     prune_dead_runs,
     register,
     this_process,
     unregister,
 )
 from vsnap.host.netns import NetnsHolder
-from vsnap.host.paths import RUNTIME_DIR, require_runtime_dir, require_safe_directory
+from vsnap.host.paths import require_runtime_dir, require_safe_directory
 from vsnap.host.proctree import (
     ProcessIdentity,
     become_subreaper,
+    identify,
     identify_restored_root,
     is_same,
     kill_tree,
@@ -58,14 +61,16 @@ from .bringup import RESTORE_LOG, CheckClock, RestoredServer, RestoredTree, brin
 from .gpus import Gpu, choose_gpus, require_gpu_state, shown
 
 LAZY_PAGES_LOG = "lazy-pages.log"
-PIDFILE_DIR = RUNTIME_DIR / "pids"  # CRIU's pidfiles: root's alone, never inside a tree's control directory
+CRIU_RUNNING_FAILPOINT = "inside criu restore"  # VSNAP_FAILPOINT: SIGKILL this process while CRIU restores
 
 
 def restore_pidfile(instance_id: str) -> Path:
     """Where CRIU writes the restored root's PID: a directory of root's alone (make_trusted_dirs),
     not the instance directory, which the restored tree sees as its control directory and could
-    rewrite before vsnap reads it (CriuRunner.restore reads it once and removes it)."""
-    return control.ensure_private_dir(make_trusted_dirs(PIDFILE_DIR)) / f"{instance_id}.pid"
+    rewrite before vsnap reads it (CriuRunner.restore reads it once and removes it; if this process
+    dies while CRIU runs, host.instances adopts the tree it names and prune_dead_runs removes it)."""
+    control.ensure_private_dir(make_trusted_dirs(pidfile_dir()))
+    return pidfile_of(instance_id)
 
 
 def verify_image(image_dir: Path, *, rehash: bool = False) -> Manifest:
@@ -281,17 +286,28 @@ def _criu_restore(image: Image, instance: _Instance, cleanup: Cleanup, *,
     pid = runner.restore(RestoreOptions(
         images_dir=image.criu_dir, work_dir=work, log_file=work / RESTORE_LOG,
         pidfile=restore_pidfile(instance.id), externals=externals,
-        inherit_fds={int(netns.fd or -1): manifest.netns_key}, lazy_pages=lazy_pages))
+        inherit_fds={int(netns.fd or -1): manifest.netns_key}, lazy_pages=lazy_pages),
+        on_started=lambda criu_pid: _record_criu(instance, criu_pid))
     identity = identify_restored_root(pid, children_before)  # a new child, its namespace's PID 1
     if identity is None:
         reap(pid)
         raise EngineError("criu restore", "EngineExited", f"the restored tree (pid {pid}) exited at once, or "
                           "is not a PID namespace's first process handed to vsnap", log_path=work / control.ENGINE_LOG)
     cleanup.on_failure(kill_tree, identity)
-    record = instance.record.model_copy(update={"tree": ProcessRef.of(identity)})
+    record = instance.record.model_copy(update={"tree": ProcessRef.of(identity), "criu": None})
     register(record)
     netns.close()  # the restored tree keeps the namespace alive
     return RestoredTree(image, work, identity, record), lazy
+
+
+def _record_criu(instance: _Instance, criu_pid: int) -> None:
+    """Name the running `criu restore` in the instance's record before it restores anything: should
+    this process die now, ps and stop still track what CRIU leaves (host.instances adopts its tree)."""
+    identity = identify(criu_pid)
+    if identity is not None:  # else it already exited: its failure is reported by the runner
+        instance.record = instance.record.model_copy(update={"criu": ProcessRef.of(identity)})
+        register(instance.record)
+    failpoint(CRIU_RUNNING_FAILPOINT)
 
 
 def wait_server(pid: int) -> None:

@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
+import signal
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, NoReturn
 
 from vsnap.protocol.errors import CriuError, HostNotReady
 
+from ..executables import resolve_executable
 from .options import DumpOptions, LazyPagesOptions, RestoreOptions, check_argv, version_argv
 
 MIN_VERSION = (4, 2)
@@ -26,6 +29,10 @@ INSTALL_HINT = "run scripts/criu/install.sh as root (builds CRIU 4.2.1), or set 
 
 # Known CRIU messages -> what the user should do.
 HINTS: tuple[tuple[str, str], ...] = (
+    # first: a task OOM-killed mid-restore makes the others fail on whatever they did next
+    (r"killed by signal 9\b|Killed by signal 9\b", "a process of the restore was killed (SIGKILL), most likely by the "
+                                                   "OOM killer or a memory cgroup's limit: check free memory and "
+                                                   "`dmesg | grep -i oom`"),
     (r"Can't fork for \d+: File exists", "a process from the earlier run still holds that PID; stop it first"),
     (r"io_uring", "sysctl -w kernel.io_uring_disabled=2 before capture; CRIU cannot dump io_uring"),
     (r"Unexpected rt vDSO area bounds", "this CRIU is too old for the kernel: " + INSTALL_HINT),
@@ -43,17 +50,20 @@ def criu_environment() -> dict[str, str]:
 
 
 def find_criu() -> Path:
-    """VSNAP_CRIU, else criu on PATH, else /usr/local/bin/criu."""
+    """VSNAP_CRIU, else criu on PATH, else /usr/local/bin/criu: an absolute path to a criu that is
+    root's alone, file and directories (host.executables), since vsnap runs it as root; any other is
+    refused, never run (not even for `criu --version`)."""
     explicit = os.environ.get("VSNAP_CRIU")
-    if explicit:
-        path = Path(explicit)
-        if not (path.is_file() and os.access(path, os.X_OK)):
-            raise HostNotReady("criu", f"VSNAP_CRIU={explicit} is not an executable file", hint=INSTALL_HINT)
-        return path
-    found = shutil.which("criu") or ("/usr/local/bin/criu" if os.access("/usr/local/bin/criu", os.X_OK) else None)
-    if not found:
-        raise HostNotReady("criu", "criu is not installed", required=">= 4.2", found="none", hint=INSTALL_HINT)
-    return Path(found)
+    if explicit and not (os.path.isfile(explicit) and os.access(explicit, os.X_OK)):
+        raise HostNotReady("criu", f"VSNAP_CRIU={explicit} is not an executable file", hint=INSTALL_HINT)
+    try:
+        return resolve_executable("criu", explicit_env="VSNAP_CRIU", fallbacks=("/usr/local/bin/criu",),
+                                  missing_hint=INSTALL_HINT)
+    except HostNotReady as exc:
+        if exc.found == "none":
+            raise HostNotReady("criu", "criu is not installed", required=">= 4.2", found="none",
+                               hint=INSTALL_HINT) from None
+        raise
 
 
 def parse_version(text: str) -> tuple[int, ...] | None:
@@ -77,7 +87,23 @@ def excerpt_errors(log_path: Path, context: int = 3, limit: int = 12) -> str:
     return "\n".join(lines[i] for i in ordered[-limit:])
 
 
-def hint_for(excerpt: str) -> str:
+KILLED_HINT = ("CRIU was killed by a signal ({name}), not refused: with SIGKILL most likely the kernel's OOM killer "
+               "or a memory cgroup's limit; check free memory and `dmesg | grep -i oom`, then run it again")
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def hint_for(excerpt: str, returncode: int = 1) -> str:
+    """What to do about a failed CRIU run: a CRIU killed by a signal (``returncode`` < 0, as
+    subprocess reports it) was stopped from outside (an OOM kill, most often), whatever its log
+    said last; else the first known message of its log."""
+    if returncode < 0:
+        return KILLED_HINT.format(name=_signal_name(-returncode))
     for pattern, hint in HINTS:
         if re.search(pattern, excerpt):
             return hint
@@ -135,8 +161,7 @@ class CriuRunner:
             raise CriuError(action, -1, log_file, f"criu {action} ran longer than {timeout_s:g} s",
                             hint="the tree may be stuck in the kernel; see the log") from None
         if out.returncode != 0:
-            excerpt = excerpt_errors(log_file) or out.stderr.strip()
-            raise CriuError(action, out.returncode, log_file, excerpt, hint=hint_for(excerpt))
+            _raise_failed(action, out.returncode, log_file, out.stderr)
 
     def dump(self, options: DumpOptions, timeout_s: float = 600) -> None:
         self._run("dump", options.to_argv(), options.log_file, timeout_s)
@@ -153,14 +178,15 @@ class CriuRunner:
             return False
         return out.returncode == 0
 
-    def restore(self, options: RestoreOptions, timeout_s: float = 600) -> int:
-        """Restore detached; return the host PID of the restored root."""
+    def restore(self, options: RestoreOptions, timeout_s: float = 600,
+                on_started: Callable[[int], None] | None = None) -> int:
+        """Restore detached; return the host PID of the restored root. ``on_started`` is called with
+        CRIU's PID as soon as it runs, before it restores anything: the caller records it, so that if
+        this process dies while CRIU runs, the instance's record still names the process that is
+        about to leave a tree behind (host.instances adopts that tree)."""
+        options.pidfile.unlink(missing_ok=True)
         try:
-            options.pidfile.unlink()
-        except FileNotFoundError:
-            pass
-        try:
-            self._run("restore", options.to_argv(), options.log_file, timeout_s, pass_fds=tuple(options.inherit_fds))
+            self._run_restore(options, timeout_s, on_started)
             try:
                 pid = int(options.pidfile.read_text().strip())
             except (OSError, ValueError):
@@ -170,6 +196,43 @@ class CriuRunner:
             return pid
         finally:
             options.pidfile.unlink(missing_ok=True)
+
+    def _run_restore(self, options: RestoreOptions, timeout_s: float,
+                     on_started: Callable[[int], None] | None) -> None:
+        """`criu restore`, its output in an unnamed file rather than a pipe: if this process dies
+        while CRIU runs, CRIU must not die of a write to a pipe no one reads (SIGPIPE) half-way
+        through a restore. Any exception here (a timeout, Ctrl-C) kills CRIU, as subprocess.run would."""
+        argv = [str(self.binary), *options.to_argv()]
+        options.log_file.parent.mkdir(parents=True, exist_ok=True)
+        Path(f"{options.log_file}.argv").write_text(" ".join(argv) + "\n")
+        with tempfile.TemporaryFile() as output:
+            process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=output, stderr=output,
+                                       pass_fds=tuple(options.inherit_fds), env=criu_environment())
+            try:
+                if on_started is not None:
+                    on_started(process.pid)
+                returncode = process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+                raise CriuError("restore", -1, options.log_file, f"criu restore ran longer than {timeout_s:g} s",
+                                hint="the tree may be stuck in the kernel; see the log") from None
+            except BaseException:
+                process.kill()
+                process.wait()
+                raise
+            if returncode != 0:
+                output.seek(0)
+                _raise_failed("restore", returncode, options.log_file, output.read(64 << 10).decode(errors="replace"))
+
+
+def _raise_failed(action: str, returncode: int, log_file: Path, output: str) -> NoReturn:
+    """CriuError for a failed run: its log's error lines (else what it printed) and the hint for them;
+    a CRIU killed by a signal says so first (its log's last words then explain nothing)."""
+    excerpt = excerpt_errors(log_file) or output.strip()
+    if returncode < 0:
+        excerpt = f"Error (vsnap): criu itself was killed by {_signal_name(-returncode)}\n{excerpt}"
+    raise CriuError(action, returncode, log_file, excerpt, hint=hint_for(excerpt, returncode))
 
 
 class LazyPagesServer:

@@ -1,0 +1,119 @@
+"""A restore SIGKILLed while CRIU runs (issue 26, item 5): its tree is tracked and stoppable until it
+is gone, and its CRIU pidfile does not outlive the next prune.
+
+Hostile pass 12 found the tree running for 15-20 s (until it noticed its owner's silence) while
+`vsnap ps` called the instance gone and `vsnap stop` found nothing, and RUNTIME_DIR/pids/<id>.pid
+left for ever. Here the real `vsnap restore` of the CPU engine is killed from outside once its CRIU
+has forked the tree's root (no failpoint: what a user's SIGKILL or the OOM killer does).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.conftest import VSNAP, engine_processes
+from tests.integration.conftest import CapturedImage, run_vsnap
+from vsnap.host.paths import RUNTIME_DIR
+from vsnap.protocol.control import OWNER_TIMEOUT_S
+
+pytestmark = pytest.mark.criu
+
+
+def _criu_child(vsnap: psutil.Process) -> psutil.Process | None:
+    try:
+        return next((c for c in vsnap.children() if c.name() == "criu"), None)
+    except psutil.Error:
+        return None
+
+
+def kill_restore_inside_criu(image: Path) -> None:
+    """Start `vsnap restore`, SIGKILL it once its `criu restore` has forked the tree's root."""
+    restore = subprocess.Popen([VSNAP, "restore", str(image), "--port", "0"], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    vsnap = psutil.Process(restore.pid)
+    deadline = time.monotonic() + 120
+    while True:
+        assert restore.poll() is None, "the restore ended before it could be killed inside CRIU"
+        assert time.monotonic() < deadline, "no criu restore started"
+        criu = _criu_child(vsnap)
+        try:
+            if criu is not None and criu.children():
+                break
+        except psutil.Error:
+            pass
+        time.sleep(0.002)
+    restore.send_signal(signal.SIGKILL)
+    restore.wait()
+
+
+def ps() -> tuple[list[dict], list[dict]]:
+    result = run_vsnap("ps", "--json")
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(result.stdout)
+    return doc["instances"], doc["gone"]
+
+
+def ours(records: list[dict], image: Path) -> list[dict]:
+    return [r for r in records if r["image"] == str(image)]
+
+
+def test_a_restore_killed_in_criu_is_shown_and_stopped(captured: CapturedImage) -> None:
+    kill_restore_inside_criu(captured.image)
+    running, gone = ps()
+    assert ours(gone, captured.image) == []
+    [record] = ours(running, captured.image)
+    assert record["state"] == "restoring" and record["tree"] is not None
+    assert engine_processes(captured.control_dir), "the tree CRIU restored should still run"
+    started = time.monotonic()
+    stopped = run_vsnap("stop", record["id"])
+    assert stopped.returncode == 0, stopped.stderr
+    while engine_processes(captured.control_dir) and time.monotonic() - started < 5:  # well before the owner timeout
+        time.sleep(0.1)
+    assert engine_processes(captured.control_dir) == []
+    assert ours(ps()[0], captured.image) == []
+
+
+def test_ps_tracks_it_until_it_is_gone_and_the_prune_removes_its_pidfile(captured: CapturedImage) -> None:
+    kill_restore_inside_criu(captured.image)
+    instance_id = ""
+    deadline = time.monotonic() + OWNER_TIMEOUT_S + 30
+    while True:  # the tree ends by itself once its owner is silent; until then ps shows it
+        alive_before = bool(engine_processes(captured.control_dir))
+        shown = ours(ps()[0], captured.image)
+        alive_after = bool(engine_processes(captured.control_dir))
+        if not alive_before and not shown:
+            break
+        assert not (alive_before and alive_after) or shown, "a live tree of a killed restore is missing from ps"
+        assert time.monotonic() < deadline, "the tree outlived its owner's timeout"
+        instance_id = instance_id or (shown[0]["id"] if shown else "")
+        time.sleep(0.5)
+    assert instance_id, "ps never showed the instance"
+    again = run_vsnap("restore", str(captured.image), "--port", "0", "--detach", "--json")  # prunes first
+    assert again.returncode == 0, again.stderr
+    assert run_vsnap("stop", str(captured.image)).returncode == 0
+    assert not (RUNTIME_DIR / "pids" / f"{instance_id}.pid").exists()
+
+
+def test_a_restore_killed_as_criu_starts_is_stopped_at_once(captured: CapturedImage) -> None:
+    """The failpoint kills vsnap right after it recorded CRIU, before CRIU forked anything: `vsnap stop`
+    at once waits for CRIU's tree to appear (host.instances.ORPHAN_FORK_WAIT_S) and ends it."""
+    result = subprocess.run([VSNAP, "restore", str(captured.image), "--port", "0"], capture_output=True, text=True,
+                            timeout=120, env={**os.environ, "VSNAP_FAILPOINT": "inside criu restore"})
+    assert result.returncode == -signal.SIGKILL
+    running, _ = ps()
+    [record] = ours(running, captured.image)
+    assert record["criu"] is not None or record["tree"] is not None
+    stopped = run_vsnap("stop", record["id"])
+    assert stopped.returncode == 0, stopped.stderr
+    deadline = time.monotonic() + 5  # well before the tree's own owner timeout (OWNER_TIMEOUT_S)
+    while (engine_processes(captured.control_dir) or ours(ps()[0], captured.image)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert engine_processes(captured.control_dir) == [] and ours(ps()[0], captured.image) == []
