@@ -87,8 +87,8 @@ class VsnapGroup(TyperGroup):
 
 
 # Every command's module, in the order `vsnap --help` lists them
-COMMANDS = ("restore", "activate", "bench", "capture", "images", "inspect", "ps", "pull", "push", "rm", "stop",
-            "validate")
+COMMANDS = ("restore", "activate", "serve", "bench", "capture", "images", "inspect", "ps", "pull", "push", "rm",
+            "stop", "validate")
 
 _app = typer.Typer(
     name="vsnap",
