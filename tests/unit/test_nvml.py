@@ -74,7 +74,7 @@ def test_without_pynvml_or_a_driver_nothing_is_known(monkeypatch: pytest.MonkeyP
 
 
 @pytest.mark.parametrize("fail", ["nvmlDeviceGetCount", "nvmlDeviceGetUUID", "nvmlDeviceGetMemoryInfo"])
-def test_a_failed_call_makes_the_answer_unknown_not_partial(monkeypatch: pytest.MonkeyPatch, fail: str) -> None:
+def test_a_call_that_fails_on_every_gpu_leaves_nothing_known(monkeypatch: pytest.MonkeyPatch, fail: str) -> None:
     nvml = fake_pynvml(GPUS, fail=fail)
     monkeypatch.setitem(sys.modules, "pynvml", nvml)
     assert _cuda.gpu_free_memory() == {}
@@ -91,4 +91,29 @@ def test_a_driver_without_the_process_call_gives_no_shares(monkeypatch: pytest.M
     nvml.nvmlDeviceGetComputeRunningProcesses = mismatch
     monkeypatch.setitem(sys.modules, "pynvml", nvml)
     assert _cuda.gpu_memory_by_pid() == {}
+    assert _cuda.gpu_free_memory() == {"GPU-a": 1024 << 20, "GPU-b": 7}
+
+
+def test_a_gpu_whose_call_fails_is_left_out_and_the_others_answer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A MIG GPU does not list its processes (NOT_SUPPORTED): the other GPUs' shares still count,
+    as nvidia-smi's rows did."""
+    nvml = fake_pynvml(GPUS)
+
+    def processes(gpu: dict) -> list:
+        if gpu["uuid"] == b"GPU-b":
+            raise NVMLError("Not Supported")
+        return [SimpleNamespace(pid=pid, usedGpuMemory=used) for pid, used in gpu["processes"]]
+
+    nvml.nvmlDeviceGetComputeRunningProcesses = processes
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    assert _cuda.gpu_memory_by_pid() == {11: 512 << 20, 12: 100 << 20}
+
+
+def test_without_nvidia_ml_py_the_copy_inside_vllm_answers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM 0.26 keeps its own pynvml (vllm.third_party.pynvml): an install without vsnap's
+    [vllm] extra still reads the GPUs' free memory."""
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(__path__=[]))
+    monkeypatch.setitem(sys.modules, "vllm.third_party", SimpleNamespace(__path__=[]))
+    monkeypatch.setitem(sys.modules, "vllm.third_party.pynvml", fake_pynvml(GPUS))
     assert _cuda.gpu_free_memory() == {"GPU-a": 1024 << 20, "GPU-b": 7}

@@ -101,3 +101,27 @@ def test_a_process_no_pidfd_could_be_had_for_is_reported_while_it_is_alive(monke
         running.kill()
         running.wait()
     assert wait_gone([running.pid], 0.05) == []
+
+
+def test_with_no_limit_a_process_no_pidfd_could_be_had_for_is_still_waited_for(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`vsnap restore` in the foreground waits without a limit: out of descriptors, the wait must
+    not end at once (the CLI would then take the server for gone and let it end)."""
+    import errno
+    import threading
+
+    def out_of_descriptors(pid: int, flags: int = 0) -> int:
+        raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+
+    running = _sleeper(60)
+    monkeypatch.setattr(os, "pidfd_open", out_of_descriptors)
+    killer = threading.Timer(0.5, running.kill)
+    killer.start()
+    started = time.monotonic()
+    try:
+        assert wait_gone([running.pid], None) == []
+        assert time.monotonic() - started >= 0.4
+    finally:
+        killer.cancel()
+        running.kill()
+        running.wait()

@@ -9,6 +9,7 @@ NVML through nvidia-ml-py (pynvml), optional: where it or the driver is missing 
 
 from __future__ import annotations
 
+import importlib
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -194,13 +195,23 @@ def _ctypes_restore(pid: int, gpu_pairs: list[tuple[str, str]]) -> int:
     return int(libcuda.cuCheckpointProcessRestore(ctypes.c_int(pid), ctypes.byref(args)))
 
 
+def _import_nvml() -> Any | None:
+    """nvidia-ml-py's pynvml (vsnap[vllm]), else the copy vLLM 0.26 keeps inside itself (an install
+    without the extra still reads the GPUs' memory); None where neither is there."""
+    for name in ("pynvml", "vllm.third_party.pynvml"):
+        try:
+            return importlib.import_module(name)  # optional dependency: only a GPU host has either
+        except ImportError:
+            continue
+    return None
+
+
 @contextmanager
 def _nvml() -> Iterator[Any | None]:
-    """pynvml, initialised for the block and shut down after it; None where nvidia-ml-py is not
-    installed or NVML cannot start (no NVIDIA driver: a CPU host, CI)."""
-    try:
-        import pynvml  # optional dependency: nvidia-ml-py (vsnap[vllm]; vLLM depends on it)
-    except ImportError:
+    """pynvml, initialised for the block and shut down after it; None where it is not installed
+    or NVML cannot start (no NVIDIA driver: a CPU host, CI)."""
+    pynvml = _import_nvml()
+    if pynvml is None:
         yield None
         return
     try:
@@ -218,17 +229,25 @@ def _nvml() -> Iterator[Any | None]:
 
 
 def _each_gpu(read: Callable[[Any, Any], T]) -> list[T] | None:
-    """``read(pynvml, handle)`` of every GPU NVML sees, in its order; None where NVML cannot
-    answer (not installed, no driver, a call that failed: then nothing of it is believed)."""
+    """``read(pynvml, handle)`` of every GPU NVML sees, in its order, leaving out a GPU whose call
+    fails (a MIG GPU does not list its processes: the others still answer); None where NVML
+    cannot answer at all (not installed, no driver)."""
     with _nvml() as nvml:
         if nvml is None:
             return None
         # an unversioned call this driver lacks raises the mismatch error (not an NVMLError)
         failures = (nvml.NVMLError, getattr(nvml, "NVMLLibraryMismatchError", nvml.NVMLError))
         try:
-            return [read(nvml, nvml.nvmlDeviceGetHandleByIndex(index)) for index in range(nvml.nvmlDeviceGetCount())]
+            count = nvml.nvmlDeviceGetCount()
         except failures:
             return None
+        found = []
+        for index in range(count):
+            try:
+                found.append(read(nvml, nvml.nvmlDeviceGetHandleByIndex(index)))
+            except failures:
+                continue
+        return found
 
 
 def _text(value: str | bytes) -> str:

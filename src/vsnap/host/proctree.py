@@ -353,7 +353,8 @@ def wait_gone(processes: Sequence[int | ProcessIdentity], timeout_s: float | Non
     after it is never mistaken for it. A PID given as a number is taken as whatever runs under it
     when the wait starts (give an identity where it may already be reused: our children's PIDs
     cannot be before we reap them). A process no pidfd could be had for (out of descriptors) is
-    reported if it is alive at the end."""
+    watched by polling instead, and reported if it is alive at the end (with no limit, waited
+    for: a pidfd that could not be had must not end the wait at once)."""
     fds: dict[int, int] = {}
     unwatched: list[int] = []
     try:
@@ -368,10 +369,15 @@ def wait_gone(processes: Sequence[int | ProcessIdentity], timeout_s: float | Non
                 continue
             if fd is not None:
                 fds[pid] = fd
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         survivors = _wait_pidfds(fds, timeout_s)
     finally:
         for fd in fds.values():
             os.close(fd)
+    while unwatched and (deadline is None or time.monotonic() < deadline):  # no pidfd: looked at
+        unwatched = [pid for pid in unwatched if alive(pid)]
+        if unwatched:
+            time.sleep(0.2)
     return sorted(survivors + [pid for pid in unwatched if alive(pid)])
 
 

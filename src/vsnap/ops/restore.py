@@ -74,7 +74,9 @@ def restore_pidfile(instance_id: str) -> Path:
 
 
 def verify_image(image_dir: Path, *, rehash: bool = False) -> Manifest:
-    """Everything a restore checks before CRIU starts: trust, manifest, every file's sha256, this host.
+    """Everything a restore checks before CRIU starts: trust, manifest, every file's sha256, this host,
+    under the image's readers' lock as a restore holds it (ImageUntrusted for an image that is not
+    root's alone, ImageBusy while a capture replaces it: since session 12, as a restore refuses them).
 
     Files this host hashed before and that did not change since are not hashed again (see
     host.verified) unless ``rehash``.
