@@ -6,6 +6,7 @@ then sends SIGTERM: a clean stop (exit 0, a "stopped" event, no engine left, the
 from __future__ import annotations
 
 import json
+import os
 import select
 import signal
 import subprocess
@@ -41,13 +42,23 @@ def read_events(stream: IO[str], until: str, timeout_s: float = 240) -> list[dic
 def serve_once(spec: Path, tmp_path: Path, *args: str) -> list[dict[str, Any]]:
     """One `vsnap serve` from start to SIGTERM; its events."""
     ready_file = tmp_path / "probe" / "ready"
+    metrics_dir = tmp_path / "textfile"  # a node exporter's textfile collector would read it
     process = subprocess.Popen([VSNAP, "serve", str(spec), "--port", "0", "--ready-file", str(ready_file), *args],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "VSNAP_METRICS_DIR": str(metrics_dir)})
     try:
         events = read_events(process.stdout, "ready")  # type: ignore[arg-type]
         ready = events[-1]
         assert ready_file.read_text().strip() == ready["url"]
         assert complete(ready["url"], "after the start", 3, 1)["token_ids"]
+        exported = "".join(p.read_text() for p in metrics_dir.glob("vsnap-*.prom"))
+        assert f'how="{ready["how"]}"' in exported
+        assert f'vsnap_serve_fallback{{' in exported and exported.count("vsnap_restore_seconds{") == 1
+        assert ("} 1\n" in exported.split("vsnap_serve_fallback")[-1]) == (ready["how"] == "cold")
+        if ready["how"] == "restored":  # `vsnap ps --json` has the restore's phases
+            listed = json.loads(subprocess.run([VSNAP, "ps", "--json"], capture_output=True, text=True,
+                                               check=True).stdout)["instances"]
+            assert "criu restore" in next(i for i in listed if i["url"] == ready["url"])["timings"]
         process.send_signal(signal.SIGTERM)
         rest, stderr = process.communicate(timeout=60)
     finally:
@@ -57,6 +68,7 @@ def serve_once(spec: Path, tmp_path: Path, *args: str) -> list[dict[str, Any]]:
     assert process.returncode == 0, stderr
     assert [json.loads(line)["event"] for line in rest.splitlines()] == ["stopped"]
     assert not ready_file.exists()
+    assert list(metrics_dir.glob("vsnap-*.prom")) == []  # removed with the instance
     return events
 
 

@@ -36,6 +36,7 @@ from typing import Literal
 from vsnap.protocol import control
 from vsnap.protocol.records import Record, field
 
+from .metrics import remove_instance_metrics
 from .mounts import mount_roots
 from .paths import RUNTIME_DIR, require_plain_path, require_runtime_dir
 from .proctree import ProcessIdentity, identify, is_same, is_tree_root
@@ -87,6 +88,8 @@ class InstanceRecord(Record):
     gpu: str | None = None
     instance_dir: str
     started_at: float = field(ge=0)
+    # the phases of the command that brought it to serving (restore or activate), in seconds
+    timings: dict[str, float] = field(default_factory=dict)
 
     def _check(self) -> None:
         """The id is one new_instance_dir made, and names the instance's directory: vsnap removes
@@ -165,10 +168,12 @@ def register(record: InstanceRecord) -> None:
 
 
 def unregister(instance_id: str) -> None:
+    """Forget the instance: its record, and its metrics file where metrics are on."""
     try:
         os.unlink(registry_dir() / f"{instance_id}.json")
     except FileNotFoundError:
         pass
+    remove_instance_metrics(instance_id)
 
 
 def pidfile_dir() -> Path:

@@ -19,6 +19,7 @@ from vsnap.host.cuda import CudaCheckpoint
 from vsnap.host.events import Timings
 from vsnap.host.http import bind_listener, health_check, server_url
 from vsnap.host.instances import InstanceRecord, register, stop_requested
+from vsnap.host.metrics import write_instance_metrics
 from vsnap.host.proctree import ProcessIdentity, in_tree_namespace, is_same, tree_pids
 from vsnap.host.trust import require_trusted_file
 from vsnap.image.handle import Image
@@ -227,7 +228,9 @@ def bring_up(tree: RestoredTree, host: str, port: int, targets: list[Gpu] | None
             raise failure
     check_stop(work)
     register(tree.record.model_copy(update={"state": "serving", "url": server.url, "port": server.port,
-                                            "gpu": server.gpu, "activator": None}))
+                                            "gpu": server.gpu, "activator": None,
+                                            "timings": dict(timings.seconds)}))
+    write_instance_metrics(tree.record.id, manifest.name, "restored", timings.seconds)
     t = validated.times
     server.recovery = {k: v for k, v in validated.detail.items() if isinstance(v, (int, float))}
     server.weights_source = validated.detail.get("weights_source")

@@ -23,6 +23,7 @@ from typing import Callable, Literal
 from vsnap.host.cleanup import Cleanup
 from vsnap.host.events import ProgressCallback, Timings
 from vsnap.host.http import server_url
+from vsnap.host.metrics import remove_instance_metrics, write_instance_metrics
 from vsnap.host.proctree import ProcessIdentity, wait_gone
 from vsnap.image.manifest import MANIFEST
 from vsnap.protocol.errors import EngineError, VsnapError
@@ -124,6 +125,8 @@ def _serve_cold(spec: ModelSpec, host: str, port: int, gpu: str | None, reason: 
         with timings.phase("first completion"):
             first_completion(url, spec.served_model_name)
         ready = Ready("cold", url, bound, identity.pid, reason)
+        write_instance_metrics(instance.id, spec.name, "cold", timings.seconds, fallback=True)
+        cleanup.on_exit(remove_instance_metrics, instance.id)
         if on_ready is not None:
             on_ready(ready)
         _wait_exit(identity, identity.pid)
