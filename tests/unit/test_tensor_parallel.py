@@ -417,3 +417,13 @@ def test_the_tls_files_are_what_the_restored_server_reads() -> None:
     assert vllm_serve_args.files_read_when_serving({"ssl_keyfile": 5, "tokenizer": "/t"}) == []
     assert vllm_serve_args.serves_tls({"ssl-certfile": "/c.pem"}) and vllm_serve_args.serves_tls({"ssl_keyfile": "/k"})
     assert not vllm_serve_args.serves_tls({"ssl_ca_certs": "/ca.pem", "ssl_keyfile": ""})
+
+
+def test_a_former_name_of_vsnaps_worker_extension_is_refused_naming_the_current_one() -> None:
+    """The rooms moved the class (session 12): a spec that spells out an old name would make vLLM
+    import a module that no longer exists; it is told the name to use instead."""
+    for former in vllm_rules.FORMER_WORKER_EXTENSIONS:
+        refusals = vllm_rules.value_refusals("serve.worker_extension_cls", "worker_extension_cls", former)
+        assert len(refusals) == 1 and vllm_rules.VSNAP_WORKER_EXTENSION in refusals[0].reason
+    assert vllm_rules.value_refusals("serve.worker_extension_cls", "worker_extension_cls",
+                                     vllm_rules.VSNAP_WORKER_EXTENSION) == []

@@ -210,6 +210,9 @@ SUSPECT = "names a file, a directory, a module or a class, which vsnap has not b
 QUALNAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+")
 # vsnap's own extension (weights.extension.EXTENSION), set by the engine when the spec sets none
 VSNAP_WORKER_EXTENSION = "vsnap.engine.adapters.vllm.weights.extension.WeightsFileExtension"
+# where earlier vsnap versions kept it: a spec that spells one out is told the name to use now
+FORMER_WORKER_EXTENSIONS = ("vsnap.engine.adapters.vllm_weights.WeightsFileExtension",
+                            "vsnap.engine.adapters.vllm.weights.WeightsFileExtension")
 
 
 def _unset(value: Any) -> bool:
@@ -297,6 +300,9 @@ def value_refusals(argument: str, dest: str, value: Any, config: bool = False) -
     if dest == "worker_extension_cls":
         if _unset(value) or value == VSNAP_WORKER_EXTENSION:
             return []
+        if value in FORMER_WORKER_EXTENSIONS:
+            return [Refusal(argument, f"vsnap's worker extension is now {VSNAP_WORKER_EXTENSION} (the package's "
+                                      "rooms, session 12): remove worker_extension_cls (vsnap sets it) or use that name")]
         if not isinstance(value, str) or not QUALNAME.fullmatch(value) or "__main__" in value.split("."):
             return [Refusal(argument, "must be package.module.Class, the qualified name of a class in a module "
                                       "installed in root's site-packages")]
