@@ -17,10 +17,12 @@ the one that was checked (_verified's record, else hashed again) and fetches the
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import stat
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -62,6 +64,8 @@ from .oci import (
 
 DEFAULT_JOBS = 4
 SPACE_MARGIN = 64 << 20
+RECORD_EVERY_S = 1.0  # the verified record is written at most this often during a pull (and at its end)
+DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 
 @dataclass(frozen=True)
@@ -132,7 +136,12 @@ def pull_image(reference: str | Reference, *, to: Path | None = None, force: boo
             artifact, manifest, staging = _fetch_manifest(client(), ref, image_dir)
         with timings.phase("download blobs"):
             fetched = _Downloads(staging, manifest, artifact)
-            fetched.run(client, jobs)
+            try:
+                fetched.run(client, jobs)
+            except OSError as exc:
+                if exc.errno not in DISK_ERRNOS:
+                    raise
+                raise _disk_full(ref, image_dir, staging, len(fetched.checked), len(manifest.files)) from None
         with timings.phase("verify"):
             verify_files(staging, manifest, cache_root=verified.VERIFIED_DIR)  # the trust model, every file
         with timings.phase("publish"):
@@ -147,6 +156,14 @@ def pull_image(reference: str | Reference, *, to: Path | None = None, force: boo
                       sum(e.size for e in manifest.files.values()), staging, dict(timings.seconds))
 
 
+def _disk_full(ref: Reference, image_dir: Path, staging: Path, kept: int, files: int) -> HostNotReady:
+    """A pull that filled the disk says what it keeps (a staging directory the next pull resumes
+    from), never that nothing was left (what the CLI says of other full-disk errors)."""
+    return HostNotReady("disk", f"the disk filled while pulling {ref} into {image_dir.parent}: {kept} of {files} "
+                                f"files are fetched and checked, kept in {staging}",
+                        hint="free space there and pull again: it resumes with the files kept")
+
+
 def _fetch_manifest(client: RegistryClient, ref: Reference, image_dir: Path) -> tuple[Artifact, Manifest, Path]:
     """The OCI manifest and manifest.json, every check that needs no payload; the staging dir."""
     data, content_type = client.get_manifest(MAX_OCI_MANIFEST_BYTES)
@@ -159,7 +176,13 @@ def _fetch_manifest(client: RegistryClient, ref: Reference, image_dir: Path) -> 
         raise ArtifactError(str(ref), f"{ref}: its manifest.json blob does not match its digest",
                             file=MANIFEST, hint="the registry's copy was altered or damaged; push the image again")
     staging = make_or_adopt_staging(image_dir, artifact.reference.digest or "")
-    write_atomic(staging, MANIFEST, config)
+    shutil.rmtree(staging / INCOMING, ignore_errors=True)  # partial blobs of a failed pull: free before counting
+    try:
+        write_atomic(staging, MANIFEST, config)
+    except OSError as exc:
+        if exc.errno not in DISK_ERRNOS:
+            raise
+        raise _disk_full(ref, image_dir, staging, 0, len(artifact.layers)) from None
     manifest = read_manifest(staging)  # the format and engine protocol versions, the schema
     require_trust(staging, manifest)   # every path inside the image, shm names plain
     require_safe_directory(manifest.control_dir, "the manifest's control_dir")  # as a restore will, before 20 GB
@@ -175,15 +198,21 @@ def _fetch_manifest(client: RegistryClient, ref: Reference, image_dir: Path) -> 
 
 
 class _Downloads:
-    """The blobs of one pull: what the staging directory already holds, and the rest fetched."""
+    """The blobs of one pull: what the staging directory already holds, and the rest fetched.
+
+    The files checked are recorded (host.verified) at most every RECORD_EVERY_S (_record) and once
+    at the end, whatever happened: a record written after each blob made a pull quadratic in its layer
+    count (4,000 one-byte layers: 277 s). A file checked but not yet recorded when a pull is killed
+    is hashed again by the next one, and kept."""
 
     def __init__(self, staging: Path, manifest: Manifest, artifact: Artifact) -> None:
         self.staging, self.manifest = staging, manifest
         self.layers = {layer.path: layer for layer in artifact.layers}
         self.reference = str(artifact.reference)
         self._lock = threading.Lock()
-        self._checked: dict[str, tuple[os.stat_result, str]] = {}
+        self.checked: dict[str, tuple[os.stat_result, str]] = {}
         self._cancel = threading.Event()
+        self._recorded_at, self._record_gap = time.monotonic(), RECORD_EVERY_S
         self.downloaded = self.reused = self.bytes_received = 0
 
     def run(self, client: Callable[[], RegistryClient], jobs: int) -> None:
@@ -192,8 +221,21 @@ class _Downloads:
         missing = self._keep_what_is_there()
         os.mkdir(incoming, 0o700)
         order = sorted(missing, key=lambda rel: -self.manifest.files[rel].size)
-        parallel(lambda item: self._fetch(client(), *item), list(enumerate(order)), jobs, self._cancel)
+        try:
+            parallel(lambda item: self._fetch(client(), *item), list(enumerate(order)), jobs, self._cancel)
+        finally:
+            with self._lock:
+                self._record()
         os.rmdir(incoming)
+
+    def _record(self) -> None:
+        """Write the verified record of what is checked so far (the caller holds the lock). The
+        next write waits RECORD_EVERY_S, or ten times as long as this one took: writing a record
+        of n files costs O(n), so the writes take at most a tenth of a pull, however many layers."""
+        started = time.monotonic()
+        verified.remember(self.staging, dict(self.checked))
+        self._recorded_at = time.monotonic()
+        self._record_gap = max(RECORD_EVERY_S, 10 * (self._recorded_at - started))
 
     def _keep_what_is_there(self) -> list[str]:
         """Files an interrupted pull renamed into place (so checked then) and still unchanged are
@@ -213,17 +255,17 @@ class _Downloads:
                 self._remove(path, st)
                 missing.append(rel)
             elif verified.still_verified(record, rel, st, entry.digest):
-                self._checked[rel] = (st, entry.digest)
+                self.checked[rel] = (st, entry.digest)
             else:
                 to_hash[rel] = st
         digests = piece_hashes(self.staging, {rel: st.st_size for rel, st in to_hash.items()})
         for rel, st in to_hash.items():
             if digests[rel] == self.manifest.files[rel].digest:
-                self._checked[rel] = (st, digests[rel])
+                self.checked[rel] = (st, digests[rel])
             else:
                 self._remove(self.staging / rel, st)
                 missing.append(rel)
-        self.reused = len(self._checked)
+        self.reused = len(self.checked)
         return missing
 
     def _remove_unlisted(self) -> None:
@@ -263,9 +305,10 @@ class _Downloads:
         self._make_parents(rel)
         os.rename(part, self.staging / rel)
         with self._lock:
-            self._checked[rel] = (os.lstat(self.staging / rel), entry.digest)
+            self.checked[rel] = (os.lstat(self.staging / rel), entry.digest)
             self.downloaded += 1
-            verified.remember(self.staging, dict(self._checked))
+            if time.monotonic() - self._recorded_at >= self._record_gap:
+                self._record()
         failpoint("blob pulled")
 
     def _count(self, nbytes: int) -> None:
