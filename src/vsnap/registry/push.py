@@ -15,6 +15,7 @@ import io
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ContextManager, Iterable
@@ -83,10 +84,11 @@ def push_image(image_dir: Path, reference: str | Reference, *, insecure: bool = 
     image_dir = Path(image_dir).absolute()
     timings = Timings(on_event)
     # trust first (before its lock is made beside it or a byte of it is read); then a capture's
-    # publish waits until the push is done
-    with open_image(image_dir) as image:
-        manifest = image.manifest
+    # publish waits until the push is done. Opened inside the phase, as a restore opens it.
+    with ExitStack() as held:
         with timings.phase("verify image"):
+            image = held.enter_context(open_image(image_dir))
+            manifest = image.manifest
             image.verify_files()
             config = read_manifest_bytes(image_dir)
             if Manifest.model_validate_json(config) != manifest:
