@@ -181,3 +181,30 @@ def test_an_activation_interrupted_midway_ends_the_standby_and_removes_its_shm(i
         if activation is not None and activation.poll() is None:
             activation.kill()
         run_vsnap("stop", waiting["instance"])
+
+
+@pytest.mark.parametrize("failpoint", ["recover", "after recover", "serve"])
+def test_an_activator_killed_midway_ends_the_tree_within_seconds(image: Path, failpoint: str) -> None:
+    """Issue 26, item 5: a `vsnap activate` SIGKILLed after it began bringing a detached standby up
+    (no owner watches it) must not leave the tree holding what it restored (on a GPU: its memory).
+    The tree watches the activator's heartbeat and ends itself; `vsnap ps` then prunes the record
+    and the /dev/shm directory. Without it the tree waited for its activation without a timeout
+    ("recover") or for its socket until timeout_s ("after recover", "serve")."""
+    control_dir = Path(read_manifest(image).control_dir)
+    waiting = json_of(run_vsnap("restore", str(image), "--standby", "--detach", "--json"))
+    instance = waiting["instance"]
+    try:
+        killed = subprocess.run([VSNAP, "activate", instance, "--port", "0"], capture_output=True, text=True,
+                                timeout=120, env={**os.environ, "VSNAP_FAILPOINT": failpoint})
+        assert killed.returncode == -signal.SIGKILL, killed.stderr
+        deadline = time.monotonic() + control.ACTIVATOR_TIMEOUT_S + 10
+        while (engine_processes(control_dir) or records(image)) and time.monotonic() < deadline:
+            time.sleep(0.25)
+        assert engine_processes(control_dir) == []
+        log = (Path(f"{control_dir}.instances") / instance / control.ENGINE_LOG).read_text()
+        assert "that activates this tree has been silent" in log, log[-2000:]
+        ps = json_of(run_vsnap("ps", "--json"))
+        assert [i["id"] for i in ps["instances"] if i["id"] == instance] == []
+        assert [name for name in os.listdir("/dev/shm") if instance in name] == []
+    finally:
+        run_vsnap("stop", instance)

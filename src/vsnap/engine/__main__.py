@@ -9,6 +9,7 @@ the orphans re-parented to it.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import os
 import signal
 import sys
@@ -18,7 +19,7 @@ import traceback
 from pathlib import Path
 
 from vsnap.protocol import control
-from vsnap.protocol.control import ENGINE_LOG, owner_gone
+from vsnap.protocol.control import ENGINE_LOG
 
 
 def _reopen_stdio(log_path: Path) -> None:
@@ -104,10 +105,20 @@ def _reap_orphans() -> None:
 
 
 def _watch_owner(control_dir: Path) -> None:
-    """Shut the tree down when the vsnap process that owns it is gone (SIGKILLed, crashed)."""
+    """Shut the tree down when the vsnap process that owns it is gone (SIGKILLed, crashed), or
+    when the `vsnap activate` activating it is (its CUDA state restored, it would hold its GPU
+    with no one left to serve it or to end it). Only a heartbeat silent for its timeout counts:
+    a look that fails for want of descriptors (clients holding all of them) is retried."""
+    watches = (control.HeartbeatWatch(control_dir),
+               control.HeartbeatWatch(control_dir, control.ACTIVATOR, control.ACTIVATOR_TIMEOUT_S,
+                                      optional=True, role="activates"))
     while True:
         time.sleep(1.0)
-        reason = owner_gone(control_dir)
+        try:
+            reason = next((r for r in (w.verdict() for w in watches) if r is not None), None)
+        except Exception as exc:  # noqa: BLE001 - the watch must outlive any one look
+            print(f"vsnap engine: the owner watch failed one look ({type(exc).__name__}: {exc})", flush=True)
+            continue
         if reason is None:
             continue
         print(f"vsnap engine: {reason}; shutting down", flush=True)
@@ -115,6 +126,35 @@ def _watch_owner(control_dir: Path) -> None:
         time.sleep(10)
         print("vsnap engine: graceful shutdown took too long; exiting", flush=True)
         os._exit(3)
+
+
+MNT_DETACH = 2
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
+MAX_SHM_MOUNTS = 16  # binds stacked at a tree's /dev/shm (3 after a restore)
+
+
+def release_shm() -> None:
+    """As the root exits, detach the tree's /dev/shm (the host's /dev/shm/vsnap-ID, bound there at
+    launch). The kernel drops the tree's mount namespace a moment after its root is already a
+    zombie; a `vsnap ps` that looks in between finds the tree gone but its directory still bound,
+    and keeps it (measured: 70 ms after a watchdog shutdown), so it stayed until the next restore
+    pruned orphans a minute later. A restored tree has the bind stacked there more than once (the
+    launch's, and CRIU's restores of it): each is detached, then an empty read-only tmpfs takes
+    their place, so that nothing of the tree still running creates a file in the host's /dev/shm.
+    Run at exit, after every other exit handler (a semaphore's unlink); only by the tree's root
+    (PID 1); never fatal, and never on the watchdog's forced exit (the tree may still be busy)."""
+    if os.getpid() != 1:
+        return
+    import ctypes  # on the way out only
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        for _ in range(MAX_SHM_MOUNTS):
+            if libc.umount2(b"/dev/shm", MNT_DETACH) != 0:
+                break  # EINVAL: /dev/shm is no mount point any more
+        libc.mount(b"tmpfs", b"/dev/shm", b"tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, b"size=4k")
+    except (OSError, AttributeError):
+        pass  # the kernel drops the mounts with the namespace anyway
 
 
 async def _main(control_dir: Path) -> None:
@@ -141,6 +181,9 @@ def main() -> int:
     except OSError:
         pass
     _reopen_stdio(control_dir / ENGINE_LOG)
+    # registered before anything imports multiprocessing: atexit runs last what came first, so its
+    # finalizers (a semaphore's unlink in /dev/shm) run while the tree's /dev/shm is still bound
+    atexit.register(release_shm)
     if not _block_io_uring_if_asked(control_dir):
         return 1
     from vsnap.protocol.loopback import loopback_up  # after stdio is reopened (its errors land in the log)

@@ -15,7 +15,7 @@ from vsnap.host.facts import check_root
 from vsnap.host.http import check_port_free
 from vsnap.host.instances import InstanceRecord, register, running_instances, this_process, unregister
 from vsnap.host.paths import require_runtime_dir
-from vsnap.host.proctree import is_same, kill_tree
+from vsnap.host.proctree import ProcessIdentity, is_same, kill_tree
 from vsnap.host.shm import remove_instance_shm, shm_dir_of
 from vsnap.image.handle import open_image
 from vsnap.image.store import held_lock
@@ -93,11 +93,25 @@ def activate_instance(instance_id: str, *, host: str = "127.0.0.1", port: int = 
             cleanup.on_failure(unregister, instance_id)
             cleanup.on_failure(remove_instance_shm, shm_dir_of(instance_id))
             cleanup.on_failure(kill_tree, identity)
+            heartbeat = activator_heartbeat(work, identity, cleanup)
         check_stop(work)
         server = bring_up(RestoredTree(image, work, identity, activating), host, port, target, timings)
+        heartbeat.detach()  # it serves, and is recorded so: the tree is its owner's again
     server.timings = dict(timings.seconds)
     server.recovery.update(clock.seconds)
     return server
+
+
+def activator_heartbeat(work: Path, identity: ProcessIdentity, cleanup: Cleanup) -> control.OwnerHeartbeat:
+    """activator.json, beaten from before the CUDA restore until the tree serves: a tree whose
+    activator dies (SIGKILL, OOM, a node agent's pod ended) ends itself within
+    ACTIVATOR_TIMEOUT_S instead of holding its restored GPU state, and the existing prune paths
+    then drop its record and /dev/shm directory. Not the owner's heartbeat: a detached standby
+    has none, and a foreground owner outliving its activator must not keep a half-activated tree."""
+    heartbeat = control.OwnerHeartbeat(work, while_alive=lambda: is_same(identity), name=control.ACTIVATOR)
+    heartbeat.start()
+    cleanup.on_failure(heartbeat.stop)  # newest first: it stops before the tree is ended
+    return heartbeat
 
 
 @contextmanager

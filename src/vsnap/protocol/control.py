@@ -7,6 +7,8 @@
     activation.json  CLI -> engine   the tree was restored: recover, then serve on host:port
     status.json      engine -> CLI   "recovering", then "validated", then "serving"
     error.json       engine -> CLI   phase, type, message of a failure
+    owner.json       CLI -> engine   the owning vsnap's heartbeat (or that it handed the tree over)
+    activator.json   CLI -> engine   `vsnap activate`'s heartbeat while it activates a standby
 
 Every write is atomic (a temp file opened O_EXCL|O_NOFOLLOW, fsync, rename, fsync of the
 directory). Every read refuses symlinks, files that are not regular, files owned by another
@@ -41,9 +43,10 @@ STANDBY = "standby.json"
 STATUS = "status.json"
 ERROR = "error.json"
 OWNER = "owner.json"
+ACTIVATOR = "activator.json"
 LISTENER = "listen.sock"  # where the engine receives its HTTP socket (SCM_RIGHTS) after validation
 ENGINE_LOG = "engine.log"
-CONTROL_FILES = (READY, ACTIVATION, STANDBY, STATUS, ERROR, OWNER)
+CONTROL_FILES = (READY, ACTIVATION, STANDBY, STATUS, ERROR, OWNER, ACTIVATOR)
 # ready.json carries the oracle: at most 131072 log probabilities (model.yaml's bound), ~5 MB
 MAX_CONTROL_BYTES = 64 << 20
 
@@ -52,12 +55,27 @@ MAX_CONTROL_BYTES = 64 << 20
 # SIGKILLed vsnap never leaves an engine running. A detached restore hands the tree over.
 OWNER_BEAT_S = 0.5
 OWNER_TIMEOUT_S = 10.0
+# `vsnap activate` beats activator.json the same way from before the CUDA restore until the tree
+# serves: a tree whose activator fell silent this long ends itself, and with it the GPU memory its
+# CUDA restore took (a standby's owner is often none: `restore --standby --detach`). Shorter than
+# the owner's: an activation is minutes at most, and a leaked GPU costs more than a dropped one.
+ACTIVATOR_TIMEOUT_S = 5.0
+# An open() that fails for these is the process's (or the host's) shortage, not the file's: the
+# file is neither gone nor unsafe. Clients of a restored server can exhaust its descriptors.
+SHORTAGE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 
 # A single sleep never counts for more than this against a timeout: a restored tree's
 # CLOCK_MONOTONIC jumps (days may pass between capture and restore, and another host's
 # clock starts elsewhere), and such a jump must not expire the wait.
 MAX_COUNTED_STEP_S = 1.0
 
+
+
+class OutOfResources(ControlProtocolError):
+    """A control file could not be opened for want of descriptors or memory (EMFILE, ENFILE, ENOMEM):
+    the reader's shortage, which says nothing about the file. A ControlProtocolError still, so
+    that every caller that refuses an unusable file refuses this one as before; the tree's
+    watchdog alone tells it apart (a flood of clients must not read as a dead owner)."""
 
 
 class _Message(Record):
@@ -177,8 +195,10 @@ def check_private_dir(path: Path) -> None:
         raise ControlProtocolError(path, f"has mode {stat.S_IMODE(st.st_mode):04o}; it must be private (0700)")
 
 
-def write_atomic(directory: Path, name: str, data: bytes) -> None:
-    """Write ``directory/name`` atomically, never following a symlink."""
+def write_atomic(directory: Path, name: str, data: bytes, *, durable: bool = True) -> None:
+    """Write ``directory/name`` atomically, never following a symlink. ``durable=False`` skips
+    the fsyncs (the rename is atomic for readers either way): for heartbeats, which say something
+    only while both sides run, and which a slow disk must not delay past a watcher's timeout."""
     dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
         tmp = f".{name}.{os.getpid()}.tmp"
@@ -191,7 +211,8 @@ def write_atomic(directory: Path, name: str, data: bytes) -> None:
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]
-            os.fsync(fd)
+            if durable:
+                os.fsync(fd)
         finally:
             os.close(fd)
         try:
@@ -199,17 +220,24 @@ def write_atomic(directory: Path, name: str, data: bytes) -> None:
         except OSError:  # a directory planted at ``name``, say: leave no temp file behind
             os.unlink(tmp, dir_fd=dir_fd)
             raise
-        os.fsync(dir_fd)
+        if durable:
+            os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
 
 
-def write_message(directory: Path, name: str, message: _Message) -> None:
-    write_atomic(directory, name, message.model_dump_json().encode())
+def write_message(directory: Path, name: str, message: _Message, *, durable: bool = True) -> None:
+    write_atomic(directory, name, message.model_dump_json().encode(), durable=durable)
 
 
 def read_bytes(directory: Path, name: str) -> bytes | None:
     """Read a control file, or None if absent. Refuses symlinks and foreign or shared-writable files."""
+    read = _read_file(directory, name)
+    return None if read is None else read[0]
+
+
+def _read_file(directory: Path, name: str) -> tuple[bytes, os.stat_result] | None:
+    """read_bytes, with the stat of the very file read (the watchdog keys what it read on its inode)."""
     path = directory / name
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
@@ -218,6 +246,8 @@ def read_bytes(directory: Path, name: str) -> bytes | None:
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise ControlProtocolError(path, "is a symlink; control files are never followed") from None
+        if exc.errno in SHORTAGE_ERRNOS:
+            raise OutOfResources(path, f"cannot be opened now: {exc.strerror}") from None
         raise ControlProtocolError(path, f"cannot be opened: {exc.strerror}") from None
     try:
         st = os.fstat(fd)
@@ -235,21 +265,23 @@ def read_bytes(directory: Path, name: str) -> bytes | None:
             left -= len(chunk)
         if left <= 0:
             raise ControlProtocolError(path, f"grew past {MAX_CONTROL_BYTES} bytes while it was read")
-        return b"".join(chunks)
+        return b"".join(chunks), st
     finally:
         os.close(fd)
 
 
 def read_message(directory: Path, name: str, model: type[M]) -> M | None:
     data = read_bytes(directory, name)
-    if data is None:
-        return None
+    return None if data is None else _parse(data, directory / name, model)
+
+
+def _parse(data: bytes, path: Path, model: type[M]) -> M:
     if issubclass(model, _Versioned):
-        _require_protocol(data, directory / name)
+        _require_protocol(data, path)
     try:
         return model.model_validate_json(data)
     except RecordError as exc:
-        raise ControlProtocolError(directory / name, f"malformed ({exc.where}: {exc.msg})") from None
+        raise ControlProtocolError(path, f"malformed ({exc.where}: {exc.msg})") from None
 
 
 def remove_control_files(directory: Path, names: tuple[str, ...] = CONTROL_FILES) -> None:
@@ -306,16 +338,21 @@ def wait_until(
 
 
 class OwnerHeartbeat:
-    """Writes owner.json every OWNER_BEAT_S from a daemon thread until stopped or detached.
+    """Writes a heartbeat (owner.json; ``name=ACTIVATOR`` for `vsnap activate`) every OWNER_BEAT_S
+    from a daemon thread until stopped or detached.
 
     With ``while_alive``, it also stops by itself once that process (the restored tree) is gone.
+    The periodic beats skip fsync (``durable=False``): a disk busy with a model's weights could
+    otherwise hold a beat for seconds, and a beat only means something while both sides run.
     """
 
-    def __init__(self, control_dir: Path, while_alive: Callable[[], bool] | None = None) -> None:
+    def __init__(self, control_dir: Path, while_alive: Callable[[], bool] | None = None, *,
+                 name: str = OWNER) -> None:
         self.control_dir = control_dir
+        self.name = name
         self._while_alive = while_alive
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="vsnap-owner-heartbeat", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"vsnap-{name.split('.')[0]}-heartbeat", daemon=True)
 
     def start(self) -> "OwnerHeartbeat":
         self.beat()
@@ -323,7 +360,8 @@ class OwnerHeartbeat:
         return self
 
     def beat(self, detached: bool = False) -> None:
-        write_message(self.control_dir, OWNER, Owner(pid=os.getpid(), beat=time.time(), detached=detached))
+        write_message(self.control_dir, self.name, Owner(pid=os.getpid(), beat=time.time(), detached=detached),
+                      durable=detached)
 
     def _run(self) -> None:
         while not self._stop.wait(OWNER_BEAT_S):
@@ -340,7 +378,8 @@ class OwnerHeartbeat:
             self._thread.join(timeout=5)
 
     def detach(self) -> None:
-        """Hand the tree over: it keeps running without an owner."""
+        """Hand the tree over: it keeps running without an owner (or, for an activator, the
+        activation is done: the tree serves, and its owner is whoever restored it)."""
         self.stop()
         self.beat(detached=True)
 
@@ -436,20 +475,82 @@ def send_listener(directory: Path, listener: socket.socket, peer_allowed: Callab
         os.close(dir_fd)
 
 
-def owner_gone(control_dir: Path, now: float | None = None) -> str | None:
-    """Why the tree should stop (its owner is silent), or None while it is owned or detached."""
-    try:
-        owner = read_message(control_dir, OWNER, Owner)
-    except ControlProtocolError as exc:
-        return f"owner file unusable: {exc.reason}"
-    if owner is None:
-        return "no owner file"
-    if owner.detached:
+class HeartbeatWatch:
+    """The tree's side of one heartbeat file: why the tree should stop, or None.
+
+    owner.json must exist (``optional=False``: a tree always has an owner or was handed over);
+    activator.json only while an activation runs (``optional=True``). A file that cannot be
+    opened for want of descriptors or memory (OutOfResources: clients of the restored server
+    can use up its descriptors) is no verdict: the watch falls back on lstat, which takes no
+    descriptor. The file it read last is kept with its inode and times: while that very file is
+    still there, its content still holds (a detached owner stays detached); a newer file was
+    written at its mtime, so its writer was alive then. Only a heartbeat silent for ``timeout_s`` ends the tree.
+    """
+
+    def __init__(self, control_dir: Path, name: str = OWNER, timeout_s: float = OWNER_TIMEOUT_S, *,
+                 optional: bool = False, role: str = "owns") -> None:
+        self.control_dir, self.name, self.timeout_s = control_dir, name, timeout_s
+        self.optional, self.role = optional, role
+        self.label = name.removesuffix(".json")
+        self._last: Owner | None = None
+        self._version: tuple[int, ...] | None = None
+
+    def verdict(self, now: float | None = None) -> str | None:
+        now = time.time() if now is None else now
+        try:
+            read = _read_file(self.control_dir, self.name)
+        except OutOfResources:
+            return self._verdict_by_stat(now)
+        except ControlProtocolError as exc:
+            return f"{self.label} file unusable: {exc.reason}"
+        except OSError:  # a read or fstat that failed (EIO, ENOMEM): no verdict either way
+            return self._verdict_by_stat(now)
+        if read is None:
+            return None if self.optional else f"no {self.label} file"
+        data, st = read
+        try:
+            beat = _parse(data, self.control_dir / self.name, Owner)
+        except ControlProtocolError as exc:
+            return f"{self.label} file unusable: {exc.reason}"
+        self._last, self._version = beat, _version(st)
+        return self._judge(beat.pid, beat.beat, beat.detached, now)
+
+    def _verdict_by_stat(self, now: float) -> str | None:
+        try:
+            st = os.lstat(self.control_dir / self.name)
+        except FileNotFoundError:
+            return None if self.optional else f"no {self.label} file"
+        except OSError:
+            return None  # cannot tell: the next look decides
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            return f"{self.label} file unusable: not a regular file of ours"
+        last = self._last
+        if last is not None and self._version == _version(st):
+            return self._judge(last.pid, last.beat, last.detached, now)
+        # rewritten since the last read: its writer beat at its mtime (its content is unknown, so
+        # a handover written just then reads as a beat; see docs/troubleshooting.md)
+        pid = last.pid if last is not None else 0
+        return self._judge(pid, max(st.st_mtime, last.beat if last is not None else 0.0), False, now)
+
+    def _judge(self, pid: int, beat: float, detached: bool, now: float) -> str | None:
+        if detached:
+            return None
+        silent = now - beat
+        if silent > self.timeout_s:
+            return f"the vsnap process {pid} that {self.role} this tree has been silent for {silent:.0f} s"
         return None
-    silent = (time.time() if now is None else now) - owner.beat
-    if silent > OWNER_TIMEOUT_S:
-        return f"the vsnap process {owner.pid} that owns this tree has been silent for {silent:.0f} s"
-    return None
+
+
+def _version(st: os.stat_result) -> tuple[int, ...]:
+    """One file as written: its inode and times (a filesystem may give a new file the inode of
+    the one its rename just replaced, as ext4 does, but not the same times as well)."""
+    return st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns
+
+
+def owner_gone(control_dir: Path, now: float | None = None) -> str | None:
+    """Why the tree should stop (its owner is silent), or None while it is owned or detached. One
+    look, with no memory of earlier ones: the tree's watchdog keeps a HeartbeatWatch instead."""
+    return HeartbeatWatch(control_dir).verdict(now)
 
 
 def error_report(phase: str, error: BaseException, **detail: Any) -> ErrorReport:

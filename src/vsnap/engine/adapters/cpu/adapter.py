@@ -71,7 +71,7 @@ class CpuAdapter(EngineAdapter):
         # Import the HTTP stack now, so that it is in the image and not paid for at restore.
         import uvicorn  # noqa: F401
 
-        from . import server  # noqa: F401
+        from . import connections, server  # noqa: F401
         from .worker import serve_pipe
 
         context = multiprocessing.get_context("spawn")
@@ -118,15 +118,17 @@ class CpuAdapter(EngineAdapter):
     async def serve(self, sock: socket.socket) -> None:
         import uvicorn
 
-        from .server import build_app  # imported by build(), before the capture: this only names it
+        from .connections import server_options  # imported by build(), before the capture: these only name them
+        from .server import build_app
 
         app = build_app(self.scheduler, self.launch.served_model_name)
         # A stream still open at shutdown is cut after 5 s, not waited for.
-        # Idle keep-alive connections are closed after 5 s. uvicorn's limit_concurrency is not used:
-        # it counts connections that never sent a request, so a few hundred idle clients would make
-        # the server answer 503 to everyone (found by the second hostile pass).
+        # Idle keep-alive connections are closed after 5 s. The connections held are bounded below
+        # the descriptor limit (connections.py: the idlest goes first), not by uvicorn's
+        # limit_concurrency: it counts connections that never sent a request, so a few hundred idle
+        # clients would make the server answer 503 to everyone (found by the second hostile pass).
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=5, timeout_keep_alive=5)
+                                timeout_graceful_shutdown=5, timeout_keep_alive=5, **server_options())
         await uvicorn.Server(config).serve(sockets=[sock])
 
     async def shutdown(self) -> None:
