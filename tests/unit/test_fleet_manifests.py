@@ -207,12 +207,16 @@ def test_the_deployment_restores_the_captured_and_prepulled_image_on_the_probed_
     serve, job, daemonset = docs["Deployment/llama-8b"], docs["Job/vsnap-capture-llama-8b"], docs["DaemonSet/vsnap-prepull"]
     image = model_spec()["image"]
     argv = shlex.split(container(serve, "server")["args"][0])
-    assert argv[:3] == ["exec", "vsnap", "restore"] and argv[3] == image
+    assert argv[:4] == ["exec", "vsnap", "serve", "/etc/vsnap/model.yaml"]  # the spec whose image is `image`
+    assert mounts(serve, "server")["/etc/vsnap"][1] == {"configMap": {"name": "vsnap-model-llama-8b"}}
     port = int(argv[argv.index("--port") + 1])
     ports = {p["name"]: p["containerPort"] for p in container(serve, "server")["ports"]}
     assert ports == {"http": port} and argv[argv.index("--host") + 1] == "0.0.0.0"
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+    for probe in ("startupProbe", "livenessProbe"):
         assert container(serve, "server")[probe]["httpGet"] == {"path": "/health", "port": "http"}
+    # ready once the first request is fast: the file `vsnap serve --ready-file` writes then
+    ready_file = argv[argv.index("--ready-file") + 1]
+    assert container(serve, "server")["readinessProbe"]["exec"] == {"command": ["test", "-f", ready_file]}
     service = docs["Service/llama-8b"]["spec"]
     assert service["selector"] == serve["spec"]["template"]["metadata"]["labels"]
     assert service["ports"][0]["targetPort"] == "http"
