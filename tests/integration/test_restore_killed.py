@@ -71,6 +71,10 @@ def test_a_restore_killed_in_criu_is_shown_and_stopped(captured: CapturedImage) 
     assert ours(gone, captured.image) == []
     [record] = ours(running, captured.image)
     assert record["state"] == "restoring" and record["tree"] is not None
+    # CRIU may still be filling the tree's memory: its command line reads empty until then
+    appeared = time.monotonic() + 5
+    while not engine_processes(captured.control_dir) and time.monotonic() < appeared:
+        time.sleep(0.05)
     assert engine_processes(captured.control_dir), "the tree CRIU restored should still run"
     started = time.monotonic()
     stopped = run_vsnap("stop", record["id"])
