@@ -107,3 +107,22 @@ def test_serve_captures_then_restores_and_falls_back_from_a_broken_image(tmp_pat
     assert len(fallback) == 1 and fallback[0]["reason"].startswith("the restore failed: ")
     assert events[-1]["how"] == "cold"
     assert engine_processes(control_dir) == []
+
+
+def test_a_refused_ready_file_is_never_removed_through_another_users_link(tmp_path: Path) -> None:
+    """Hostile pass 13: a --ready-file reached through a link of another user's was refused, and the
+    stop then removed root's file at the link's target. Only the file vsnap wrote is removed."""
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    victim_dir = tmp_path / "victim"
+    victim_dir.mkdir()
+    (victim_dir / "ready").write_text("important")
+    (theirs / "sub").symlink_to(victim_dir)
+    os.chown(theirs, 65534, 65534)
+    os.lchown(theirs / "sub", 65534, 65534)
+    spec = write_spec(tmp_path, "serve-refused")
+    result = subprocess.run([VSNAP, "serve", str(spec), "--port", "0", "--ready-file", str(theirs / "sub" / "ready")],
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode == 4, result.stderr
+    assert (victim_dir / "ready").read_text() == "important"
+    assert engine_processes(tmp_path / "control" / "serve-refused") == []

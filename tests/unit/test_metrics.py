@@ -48,3 +48,19 @@ def test_a_link_at_the_file_name_is_replaced_not_followed(monkeypatch: pytest.Mo
     assert "vsnap_serve_fallback" in (directory / "vsnap-r-00000002.prom").read_text()
     metrics.remove_instance_metrics("r-00000002")
     assert victim.read_text() == "keep"
+
+
+def test_a_directory_that_is_not_roots_alone_leaves_metrics_out(monkeypatch: pytest.MonkeyPatch,
+                                                                 tmp_path: Path) -> None:
+    """Best effort: a monitoring setting never fails a restore (hostile pass 13: a directory of
+    another user's made `vsnap serve` fall back to cold, then fail)."""
+    directory = tmp_path / "theirs"
+    directory.mkdir(mode=0o755)
+    os.chown(directory, 65534, 65534)
+    monkeypatch.setenv(metrics.METRICS_DIR_ENV, str(directory))
+    assert metrics.write_instance_metrics("r-00000003", "m", "restored", {"recover": 1.0}) is None
+    assert list(directory.iterdir()) == []
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "elsewhere")
+    monkeypatch.setenv(metrics.METRICS_DIR_ENV, str(link))
+    assert metrics.write_instance_metrics("r-00000003", "m", "restored", {"recover": 1.0}) is None

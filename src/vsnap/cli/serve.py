@@ -25,6 +25,8 @@ class _Terminated(Exception):
 
 
 def _terminate(signum: int, frame: Any) -> None:
+    # once: a second SIGTERM (a shell or `timeout` signalling the group too) must not cut the stop short
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise _Terminated
 
 
@@ -60,13 +62,16 @@ def serve(
     signal.signal(signal.SIGTERM, _terminate)  # after error_boundary's: a stop, not an interruption
     model_spec = load_spec(spec)
     ready_path = Path(os.path.abspath(ready_file)) if ready_file is not None else None
+    written: list[Path] = []  # the ready file, once vsnap wrote it: only that is removed at the stop
 
     def on_event(event: PhaseEvent) -> None:
         emit("phase", phase=event.phase, state=event.state, seconds=event.seconds)
 
     def on_ready(ready: Ready) -> None:
         if ready_path is not None:  # every directory on the way root's alone, the file never through a link
-            write_atomic(make_trusted_dirs(ready_path.parent), ready_path.name, f"{ready.url}\n".encode())
+            directory = make_trusted_dirs(ready_path.parent)
+            write_atomic(directory, ready_path.name, f"{ready.url}\n".encode())
+            written.append(directory / ready_path.name)
         emit("ready", how=ready.how, url=ready.url, port=ready.port, pid=ready.pid, fallback=ready.fallback)
 
     emit("start", spec=str(spec), image=str(model_spec.image_dir), capture=capture)
@@ -76,8 +81,8 @@ def serve(
     except _Terminated:
         emit("stopped", reason="SIGTERM")
     finally:
-        if ready_path is not None:
+        for path in written:  # never a file vsnap did not write (a refused path is left alone)
             try:
-                os.unlink(ready_path)  # a link there is removed, not followed
+                os.unlink(path)  # a link there is removed, not followed
             except FileNotFoundError:
                 pass

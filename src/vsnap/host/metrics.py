@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Mapping
 
 from vsnap.protocol.control import write_atomic
+from vsnap.protocol.errors import VsnapError
 
 from .trust import make_trusted_dirs
 
@@ -52,12 +53,17 @@ def render(instance_id: str, image: str, how: str, phases: Mapping[str, float], 
 
 def write_instance_metrics(instance_id: str, image: str, how: str, phases: Mapping[str, float], *,
                            fallback: bool = False) -> Path | None:
-    """Write the instance's file when metrics are on; its path, else None."""
+    """Write the instance's file when metrics are on; its path, else None. Best effort: a directory
+    that is not root's alone, or cannot be written, leaves metrics out and never fails a restore or
+    a serve (a monitoring setting must not stop a server)."""
     directory = metrics_dir()
     if directory is None:
         return None
     name = f"vsnap-{instance_id}.prom"
-    write_atomic(make_trusted_dirs(directory), name, render(instance_id, image, how, phases, fallback).encode())
+    try:
+        write_atomic(make_trusted_dirs(directory), name, render(instance_id, image, how, phases, fallback).encode())
+    except (OSError, VsnapError):
+        return None
     return directory / name
 
 
