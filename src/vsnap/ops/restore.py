@@ -21,6 +21,7 @@ from vsnap.host.criu.options import LazyPagesOptions, RestoreOptions
 from vsnap.host.criu.runner import CriuRunner, LazyPagesServer
 from vsnap.host.events import ProgressCallback, Timings, failpoint
 from vsnap.host.facts import check_criu_this_boot, check_root
+from vsnap.host.privileges import check_privileges
 from vsnap.host.http import check_port_free
 from vsnap.host.instances import (
     InstanceRecord,
@@ -221,7 +222,8 @@ def _verify(image: Image, host: str, port: int, gpu: str | None, clock: CheckClo
         # compares the dependency files; it then waits for them
         facts = pool.submit(clock.call, "host_facts", current_facts, manifest, gpus)
         host_fit = pool.submit(clock.call, "host", image.require_fits_host, facts)
-        checks = [pool.submit(clock.call, "criu", check_criu_this_boot, VERIFIED_DIR), hashing, host_fit]
+        checks = [pool.submit(check_privileges, "restore"),  # first: without them CRIU's own check fails vaguely
+                  pool.submit(clock.call, "criu", check_criu_this_boot, VERIFIED_DIR), hashing, host_fit]
         if not standby:  # a standby binds no port and takes no GPU until it is activated
             checks.append(pool.submit(clock.call, "port", check_port_free, host, port))
         if lazy_pages:

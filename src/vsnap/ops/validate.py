@@ -32,7 +32,7 @@ class ValidationReport:
 
 def validate_target(target: Path | None) -> ValidationReport:
     if target is None:
-        return ValidationReport(None, "host", preflight(None))
+        return ValidationReport(None, "host", preflight(None, "restore"))
     if _looks_like_image(target):
         return _validate_image(target)
     return _validate_spec(target)
@@ -108,5 +108,5 @@ def _validate_image(image_dir: Path) -> ValidationReport:
                                                        f"{len(manifest.dependencies)} files unchanged"))
     report.checks += [Check(f"host {d.fact}", True, f"{d.line}: not refused ({d.why})", warning=True)
                       for d in differences if not d.fatal]
-    report.checks.extend(c for c in preflight(None) if c.name != "unshare")
+    report.checks.extend(c for c in preflight(None, "restore") if c.name != "unshare")
     return report

@@ -22,6 +22,7 @@ from typing import Callable, NoReturn
 from vsnap.protocol.errors import CriuError, HostNotReady
 
 from ..executables import resolve_executable
+from ..privileges import CONFINEMENT_HINT, confinement
 from .options import DumpOptions, LazyPagesOptions, RestoreOptions, check_argv, version_argv
 
 MIN_VERSION = (4, 2)
@@ -147,7 +148,12 @@ class CriuRunner:
         if out.returncode != 0:
             lines = (out.stderr + out.stdout).strip().splitlines()
             errors = [line for line in lines if "Error" in line] or lines[-1:]
-            raise HostNotReady("criu check", f"criu check failed: {errors[-1] if errors else out.returncode}",
+            failed = f"criu check failed: {errors[-1] if errors else out.returncode}"
+            confined = confinement()
+            if confined:  # the likelier cause, named: CRIU's own line only says what it could not do
+                raise HostNotReady("criu check", f"{failed} (vsnap runs under {' and '.join(confined)})",
+                                   hint=CONFINEMENT_HINT)
+            raise HostNotReady("criu check", failed,
                                hint="this kernel or container lacks a feature CRIU needs; see `criu check`")
 
     def _run(self, action: str, argv: list[str], log_file: Path, timeout_s: float,
