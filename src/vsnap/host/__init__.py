@@ -9,7 +9,8 @@
     trust, paths           who may own what vsnap reads; which directories may be used
     fs           renameat2: the exchange that publishes an image, the no-replace rename of `vsnap rm`
     instances, verified    host records: running instances and captures, files already hashed
-    facts        host facts and preflight checks
+    facts        host facts and preflight checks; privileges: the capabilities a capture or a restore
+                 needs, and what confines this process (seccomp, masked /proc, AppArmor)
     events, cleanup        phase events and timings; resources released on every exit path
 
 Imports only vsnap.protocol.
