@@ -190,13 +190,8 @@ def host_facts(engine: str, visible: str | None = None) -> HostFacts:
     driver, cuda, gpus = None, None, []
     if engine == "vllm" and vllm_device() == "cuda":
         driver, cuda, gpus = cuda_driver.gpu_facts()
-        if visible:  # in the order the tree sees them: rank r runs on the r-th
-            picked: list[dict] = []
-            for wanted in (v.strip() for v in visible.split(",")):
-                match = next((g for g in gpus if wanted in (g["uuid"], str(g["index"]))), None)
-                if match is not None and match not in picked:
-                    picked.append(match)
-            gpus = picked
+        if visible:
+            gpus = visible_gpus(gpus, visible)
     return HostFacts(
         driver=driver, cuda=cuda, gpus=gpus,
         hostname=socket.gethostname(),
@@ -209,6 +204,17 @@ def host_facts(engine: str, visible: str | None = None) -> HostFacts:
         vsnap=__version__,
         packages=engine_packages(engine),
     )
+
+
+def visible_gpus(gpus: list[dict[str, Any]], visible: str) -> list[dict[str, Any]]:
+    """The GPUs a CUDA_VISIBLE_DEVICES value (UUIDs or indices) names, in the order the tree sees
+    them: rank r runs on the r-th."""
+    picked: list[dict[str, Any]] = []
+    for wanted in (v.strip() for v in visible.split(",")):
+        match = next((g for g in gpus if wanted in (g["uuid"], str(g["index"]))), None)
+        if match is not None and match not in picked:
+            picked.append(match)
+    return picked
 
 
 class HostFacts(Record):

@@ -67,6 +67,7 @@ from vsnap.protocol.version import PROTOCOL_VERSION
 from vsnap.spec.schema import ModelSpec
 from vsnap.spec.vllm_check import require_supported_args
 
+from . import resources
 from .tree import BootedTree, boot_tree, launch_config, new_tree_instance, resolve_model
 
 
@@ -118,6 +119,8 @@ def _preflight(spec: ModelSpec, image_dir: Path, force: bool, timings: Timings) 
             require_trusted_model(Path(spec.model))  # before the boot; resolve_model checks again
         if spec.engine == "vllm":
             require_supported_args(spec)
+        model_dir = Path(spec.model) if spec.model is not None else None
+        resources.require(resources.capture_needs(spec, model_dir, image_dir, resources.capture_gpus(spec)), "capture")
     return runner
 
 

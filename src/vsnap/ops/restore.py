@@ -58,6 +58,7 @@ from vsnap.protocol import control
 from vsnap.protocol.control import Standby
 from vsnap.protocol.errors import EngineError, HostNotReady, UnsupportedOption, VsnapError
 
+from . import resources
 from .bringup import RESTORE_LOG, CheckClock, RestoredServer, RestoredTree, bring_up, check_stop, require_serving_files
 from .gpus import Gpu, choose_gpus, require_gpu_state, shown
 
@@ -223,6 +224,7 @@ def _verify(image: Image, host: str, port: int, gpu: str | None, clock: CheckClo
         facts = pool.submit(clock.call, "host_facts", current_facts, manifest, gpus)
         host_fit = pool.submit(clock.call, "host", image.require_fits_host, facts)
         checks = [pool.submit(check_privileges, "restore"),  # first: without them CRIU's own check fails vaguely
+                  pool.submit(lambda: resources.require(resources.restore_needs(manifest), "restore")),
                   pool.submit(clock.call, "criu", check_criu_this_boot, VERIFIED_DIR), hashing, host_fit]
         if not standby:  # a standby binds no port and takes no GPU until it is activated
             checks.append(pool.submit(clock.call, "port", check_port_free, host, port))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 from pathlib import Path
 
 from vsnap.host.facts import Check, preflight, run_check
@@ -13,6 +14,8 @@ from vsnap.image.handle import open_image
 from vsnap.image.manifest import MANIFEST
 from vsnap.protocol.errors import ImageHostMismatch, VsnapError
 from vsnap.spec.schema import load_spec
+
+from . import resources
 
 
 @dataclass
@@ -70,7 +73,28 @@ def _validate_spec(path: Path) -> ValidationReport:
             require_trusted_model(Path(spec.model)), f"{spec.model} is root's alone")[1]))  # type: ignore[arg-type]
     report.checks.append(run_check("control directory", lambda: (
         require_trusted_ancestors(spec.control_dir), f"{spec.control_dir.parent} is root's alone (or will be made so)")[1]))
+    model_dir = Path(spec.model) if spec.model is not None else None
+    report.checks += _resource_checks(lambda: resources.capture_needs(spec, model_dir, spec.image_dir,
+                                                                      resources.capture_gpus(spec)), "capture")
     return report
+
+
+def _resource_checks(needs: Callable[[], list[resources.Need]], action: str) -> list[Check]:
+    """One row per resource; a shortfall is the error a capture or a restore would raise."""
+    try:
+        computed = needs()
+    except VsnapError as exc:
+        return [Check("resources", False, exc.message, exc)]
+    except OSError as exc:  # a model or image path that cannot be read: the other rows say why
+        return [Check("resources", True, f"not computed ({exc.strerror})", warning=True)]
+    rows = []
+    for need in computed:
+        try:
+            resources.require([need], action)
+            rows.append(Check(need.resource, True, need.line))
+        except VsnapError as exc:
+            rows.append(Check(need.resource, False, exc.message, exc))
+    return rows
 
 
 def _validate_image(image_dir: Path) -> ValidationReport:
@@ -108,5 +132,6 @@ def _validate_image(image_dir: Path) -> ValidationReport:
                                                        f"{len(manifest.dependencies)} files unchanged"))
     report.checks += [Check(f"host {d.fact}", True, f"{d.line}: not refused ({d.why})", warning=True)
                       for d in differences if not d.fatal]
+    report.checks += _resource_checks(lambda: resources.restore_needs(manifest), "restore")
     report.checks.extend(c for c in preflight(None, "restore") if c.name != "unshare")
     return report

@@ -1,0 +1,174 @@
+"""What a capture and a restore will need of this host, computed before anything boots.
+
+A capture needs disk for the image (the weights file, on a GPU, plus the tree's memory), host
+memory for the booted tree (on vLLM's CPU backend the weights live there too) and, on a GPU, room
+for the model's weights within ``gpu_memory_utilization`` of the GPU; a restore needs host memory
+for the tree's memory as it was dumped (the manifest's processes). The capture figures are lower
+bounds (the tree's own memory is known only once it booted: the capture checks the disk again
+then, with the real figure), so a refusal here is certain: it names the resource, what is needed,
+what there is, and where. `vsnap validate` shows each as a row; capture and restore refuse the
+first shortfall (HostNotReady, exit 3).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from vsnap.host import cuda as cuda_driver
+from vsnap.host.facts import visible_gpus, vllm_device
+from vsnap.protocol.errors import HostNotReady
+
+if TYPE_CHECKING:  # not at run time: the restore path loads neither the spec's schema nor yaml
+    from vsnap.image.manifest import Manifest
+    from vsnap.spec.schema import ModelSpec
+
+MEMINFO = Path("/proc/meminfo")
+GiB = 1 << 30
+
+# The least memory a booted tree holds besides the weights, per engine and where it runs, from the
+# images measured (docs/benchmarks): the built-in engine's tree 0.33 GB; vLLM's CPU backend's
+# 1.7 GB with a tiny model; vLLM on a GPU 3.9 GB resident (EngineCore 2.9, API server 1.0, 70B).
+TREE_FLOOR = {"cpu": 256 << 20, "vllm-cpu": 1 * GiB, "vllm-cuda": 2 * GiB}
+
+
+@dataclass(frozen=True)
+class Need:
+    resource: str  # "disk", "host memory", "GPU memory"
+    need: int
+    have: int
+    where: str
+    why: str
+
+    @property
+    def ok(self) -> bool:
+        return self.need <= self.have
+
+    @property
+    def line(self) -> str:
+        return (f"{self.need / 1e9:.1f} GB needed ({self.why}), {self.have / 1e9:.1f} GB "
+                f"{'free' if self.resource == 'disk' else 'available'} {self.where}")
+
+
+def mem_available(meminfo: Path = MEMINFO) -> int:
+    """MemAvailable: what can be had without swapping (page cache that can be dropped counts)."""
+    for line in meminfo.read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key == "MemAvailable":
+            return int(value.split()[0]) * 1024
+    raise HostNotReady("resources", f"{meminfo} has no MemAvailable line", hint="a Linux kernel of 3.14 or newer")
+
+
+def free_disk(path: Path) -> tuple[int, Path]:
+    """Free bytes on the filesystem that holds ``path`` (its nearest existing ancestor), and that ancestor."""
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    st = os.statvfs(probe)
+    return st.f_bavail * st.f_frsize, probe
+
+
+def weights_bytes(model_dir: Path | None) -> int:
+    """The bytes of the safetensors files vLLM loads: those the index names if there is one, else
+    every *.safetensors at the top (a repository's other copies, e.g. consolidated.safetensors
+    beside the shards or original/, are not loaded). Links are not followed; 0 without a model
+    (the built-in engine's is tiny)."""
+    if model_dir is None:
+        return 0
+    names: set[str] = set()
+    try:
+        index = json.loads((model_dir / "model.safetensors.index.json").read_text())
+        names = {str(v) for v in index.get("weight_map", {}).values()} if isinstance(index, dict) else set()
+    except (OSError, ValueError, AttributeError):
+        pass
+    paths = [model_dir / name for name in names if "/" not in name] if names else model_dir.glob("*.safetensors")
+    total = 0
+    for path in paths:
+        try:
+            st = path.lstat()
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            total += st.st_size
+    return total
+
+
+def quantized_at_load(spec: ModelSpec, model_dir: Path | None) -> bool:
+    """FP8 quantization asked of vLLM for a checkpoint that is not quantized already: one byte per
+    weight on the GPU instead of two."""
+    if model_dir is None or str(spec.serve.get("quantization", "")).lower() != "fp8":
+        return False
+    try:
+        config: Any = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return not (isinstance(config, dict) and config.get("quantization_config"))
+
+
+def capture_needs(spec: ModelSpec, model_dir: Path | None, image_dir: Path, gpus: list[dict[str, Any]] | None = None,
+                  meminfo: Path = MEMINFO) -> list[Need]:
+    """Lower bounds of what capturing ``spec`` (its model in ``model_dir``) into ``image_dir`` takes
+    of this host; ``gpus``: the GPUs the ranks will run on (their facts, as host.cuda.gpu_facts
+    gives them)."""
+    where = "cuda" if spec.engine == "vllm" and vllm_device() == "cuda" else "cpu"
+    floor = TREE_FLOOR["cpu" if spec.engine == "cpu" else f"vllm-{where}"]
+    weights = weights_bytes(model_dir)
+    free, disk = free_disk(image_dir)
+    if where == "cuda":  # the weights file, then the tree's memory
+        disk_need, memory_need = weights + floor, floor
+        why_disk = f"the weights file {weights / 1e9:.1f} GB and the tree's memory, at least {floor / 1e9:.1f} GB"
+        why_memory = "the booted tree, at least"
+    else:  # the weights are in the tree's memory
+        disk_need = memory_need = weights + floor
+        why_disk = why_memory = (f"the tree's memory: the weights {weights / 1e9:.1f} GB and at least {floor / 1e9:.1f} GB"
+                                 if weights else "the tree's memory, at least")
+    needs = [Need("disk", disk_need, free, f"on the disk holding {disk}", why_disk),
+             Need("host memory", memory_need, mem_available(meminfo), "on this host", why_memory)]
+    if where == "cuda" and gpus:
+        tp = max(int(spec.serve.get("tensor_parallel_size", 1) or 1), 1)
+        fp8 = quantized_at_load(spec, model_dir)
+        per_rank = weights // tp // (2 if fp8 else 1)
+        share = float(spec.serve.get("gpu_memory_utilization", 0.9))
+        why = "the model's weights" + (" per rank" if tp > 1 else "") + (", FP8 at load" if fp8 else "")
+        for gpu in gpus[:tp]:
+            needs.append(Need("GPU memory", per_rank, int(share * int(gpu["memory_bytes"])),
+                              f"within gpu_memory_utilization {share:g} of GPU {gpu['index']} ({gpu['name']})", why))
+    return needs
+
+
+def capture_gpus(spec: ModelSpec) -> list[dict[str, Any]]:
+    """The GPUs a capture of ``spec`` will take (those CUDA_VISIBLE_DEVICES names, else all, in
+    order); none off the GPU."""
+    if spec.engine != "vllm" or vllm_device() != "cuda":
+        return []
+    gpus = cuda_driver.gpu_facts()[2]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return visible_gpus(gpus, visible) if visible else gpus
+
+
+def restore_needs(manifest: Manifest, meminfo: Path = MEMINFO) -> list[Need]:
+    """What restoring the image takes of this host's memory: the tree's memory as it was dumped
+    (its anonymous memory; the pages of files it mapped are page cache)."""
+    tree = sum(int(p.get("anonymous_bytes", 0) or 0) for p in manifest.processes)
+    return [Need("host memory", tree, mem_available(meminfo), "on this host",
+                 f"the tree's memory at the dump, {len(manifest.processes)} processes")]
+
+
+def require(needs: list[Need], action: str) -> None:
+    """Refuse the first shortfall, in one line."""
+    for need in needs:
+        if not need.ok:
+            raise HostNotReady("resources", f"not enough {need.resource} to {action}: {need.line}",
+                               required=f"{need.need / 1e9:.1f} GB", found=f"{need.have / 1e9:.1f} GB",
+                               hint=HINTS[need.resource])
+
+
+HINTS = {
+    "disk": "free space there, or put the image on another disk (image: in model.yaml, or --image)",
+    "host memory": "stop other work on this host (`vsnap ps` lists restored instances), or use a host with more memory",
+    "GPU memory": "a GPU with more memory, a smaller model, FP8 (quantization: fp8), or tensor_parallel_size > 1",
+}

@@ -1,0 +1,122 @@
+"""ops.resources: what a capture and a restore need, against written /proc/meminfo files, model
+directories and a real filesystem's free space (tests/integration/test_resources_refused.py runs
+a capture and validate against a full disk)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.unit import fake_image
+from vsnap.ops import resources
+from vsnap.protocol.errors import HostNotReady
+from vsnap.spec.schema import ModelSpec
+
+GB = 10**9
+
+
+def meminfo(tmp_path: Path, available_kib: int) -> Path:
+    path = tmp_path / "meminfo"
+    path.write_text(f"MemTotal:       25000000 kB\nMemFree:         1000000 kB\nMemAvailable:   {available_kib} kB\n")
+    return path
+
+
+def spec(tmp_path: Path, engine: str = "vllm", **serve: object) -> ModelSpec:
+    return ModelSpec.model_validate({"name": "m", "engine": engine, "image": str(tmp_path / "images" / "m"),
+                                     "model": str(tmp_path / "model"), "serve": serve,
+                                     "snapshot": {"control_dir": str(tmp_path / "control")}})
+
+
+def model(tmp_path: Path, shards: dict[str, int], index: dict[str, str] | None = None,
+          config: dict[str, object] | None = None) -> Path:
+    directory = tmp_path / "model"
+    directory.mkdir(exist_ok=True)
+    for name, size in shards.items():
+        (directory / name).parent.mkdir(parents=True, exist_ok=True)
+        with open(directory / name, "wb") as f:
+            f.truncate(size)
+    if index is not None:
+        (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}))
+    (directory / "config.json").write_text(json.dumps(config or {}))
+    return directory
+
+
+def test_weights_are_the_shards_the_index_names_not_other_copies(tmp_path: Path) -> None:
+    directory = model(tmp_path, {"model-1.safetensors": 3000, "model-2.safetensors": 2000,
+                                 "consolidated.safetensors": 5000, "original/model.safetensors": 7000},
+                      index={"a": "model-1.safetensors", "b": "model-2.safetensors", "c": "model-1.safetensors"})
+    assert resources.weights_bytes(directory) == 5000
+    (directory / "model.safetensors.index.json").unlink()
+    assert resources.weights_bytes(directory) == 10000  # every top-level file, none below
+    (directory / "link.safetensors").symlink_to(directory / "consolidated.safetensors")
+    assert resources.weights_bytes(directory) == 10000  # links are not followed
+    assert resources.weights_bytes(None) == 0
+
+
+def test_fp8_at_load_halves_the_weights_only_for_an_unquantized_checkpoint(tmp_path: Path) -> None:
+    directory = model(tmp_path, {"model.safetensors": 1000})
+    assert resources.quantized_at_load(spec(tmp_path, quantization="fp8"), directory)
+    assert not resources.quantized_at_load(spec(tmp_path), directory)
+    (directory / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "fp8"}}))
+    assert not resources.quantized_at_load(spec(tmp_path, quantization="fp8"), directory)
+
+
+def test_a_gpu_capture_needs_disk_for_the_weights_file_and_room_on_the_gpu(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(resources, "vllm_device", lambda: "cuda")
+    directory = model(tmp_path, {"model.safetensors": 16 * GB})
+    h200 = {"index": 0, "name": "NVIDIA H200", "memory_bytes": 150 * GB}
+    needs = {n.resource: n for n in resources.capture_needs(spec(tmp_path, gpu_memory_utilization=0.1),
+                                                            directory, tmp_path / "img", [h200],
+                                                            meminfo(tmp_path, 24_000_000))}
+    assert needs["disk"].need == 16 * GB + resources.TREE_FLOOR["vllm-cuda"]
+    assert needs["host memory"].need == resources.TREE_FLOOR["vllm-cuda"] and needs["host memory"].ok
+    gpu = needs["GPU memory"]
+    assert (gpu.need, gpu.have, gpu.ok) == (16 * GB, 15 * GB, False)
+    with pytest.raises(HostNotReady) as refused:
+        resources.require(list(needs.values()), "capture")
+    assert refused.value.message.startswith("not enough GPU memory to capture: 16.0 GB needed (the model's weights)")
+    assert "gpu_memory_utilization 0.1 of GPU 0 (NVIDIA H200)" in refused.value.message
+    # per rank with tensor parallelism, halved by FP8 at load
+    needs = resources.capture_needs(spec(tmp_path, gpu_memory_utilization=0.1, tensor_parallel_size=2,
+                                         quantization="fp8"), directory, tmp_path / "img", [h200, h200],
+                                    meminfo(tmp_path, 24_000_000))
+    assert [n.need for n in needs if n.resource == "GPU memory"] == [4 * GB, 4 * GB]
+    assert all(n.ok for n in needs if n.resource == "GPU memory")
+
+
+def test_a_cpu_capture_holds_the_weights_in_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(resources, "vllm_device", lambda: "cpu")
+    directory = model(tmp_path, {"model.safetensors": 2 * GB})
+    needs = {n.resource: n for n in resources.capture_needs(spec(tmp_path), directory, tmp_path / "img", [],
+                                                            meminfo(tmp_path, 1_000_000))}
+    assert needs["host memory"].need == 2 * GB + resources.TREE_FLOOR["vllm-cpu"]
+    assert not needs["host memory"].ok and "GPU memory" not in needs
+    with pytest.raises(HostNotReady, match="not enough host memory to capture: 3.1 GB needed"):
+        resources.require(list(needs.values()), "capture")
+
+
+def test_disk_is_measured_on_the_nearest_existing_directory(tmp_path: Path) -> None:
+    free, where = resources.free_disk(tmp_path / "not" / "yet" / "there")
+    assert where == tmp_path and free > 0
+
+
+def test_a_restore_needs_the_trees_memory_at_the_dump(tmp_path: Path) -> None:
+    manifest = fake_image.manifest(processes=[{"pid": 1, "command": "a", "anonymous_bytes": 3 * GB},
+                                              {"pid": 2, "command": "b", "anonymous_bytes": 1 * GB}])
+    (need,) = resources.restore_needs(manifest, meminfo(tmp_path, 3_000_000))
+    assert (need.need, need.ok) == (4 * GB, False)
+    with pytest.raises(HostNotReady) as refused:
+        resources.require([need], "restore")
+    assert refused.value.message == ("not enough host memory to restore: 4.0 GB needed (the tree's memory at the "
+                                     "dump, 2 processes), 3.1 GB available on this host")
+    assert resources.restore_needs(manifest, meminfo(tmp_path, 5_000_000))[0].ok
+
+
+def test_a_meminfo_without_memavailable_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "meminfo"
+    path.write_text("MemTotal: 1 kB\n")
+    with pytest.raises(HostNotReady, match="no MemAvailable"):
+        resources.mem_available(path)
