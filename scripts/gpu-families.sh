@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The model families beyond dense bf16 on the GPU machine (and the dense tiny Llama beside them): FP8 (quantized at load, and stored in
-# FP8), a Mixtral-shaped MoE, LoRA adapters given at boot, ngram speculative decoding. Random-weight
+# FP8 with per-tensor scales, and with per-channel scales in the compressed-tensors format that most published FP8
+# checkpoints use), a Mixtral-shaped MoE, LoRA adapters given at boot, ngram speculative decoding. Random-weight
 # models from scripts/make_test_model.py, one spec per family.
 #
-#   FAMILIES="dense fp8-online fp8-ckpt moe lora ngram" MODE=check|bench bash scripts/gpu-families.sh
+#   FAMILIES="dense fp8-online fp8-ckpt fp8-channel moe lora ngram" MODE=check|bench bash scripts/gpu-families.sh
 #
 # MODE=check: every family captured at once (a fixed KV cache each, so that they share the GPU),
 #   then each restored, its oracle checked over HTTP and stopped; a table last.
@@ -16,7 +17,7 @@ cd "$REPO"
 OUT=${OUT:-/tmp/vsnap-gpu-out}
 PY=${PY:-/opt/torch/.venv/bin/python3}
 MODE=${MODE:-check}
-FAMILIES=${FAMILIES:-dense fp8-online fp8-ckpt moe lora ngram}
+FAMILIES=${FAMILIES:-dense fp8-online fp8-ckpt fp8-channel moe lora ngram}
 WORK=/tmp/vsnap-gpu
 M=/tmp/models
 mkdir -p "$OUT/families" "$WORK" && chmod 700 "$WORK"
@@ -26,6 +27,7 @@ log() { echo "[$(date +%H:%M:%S)] $*"; }
 log "write the test models"
 "$PY" scripts/make_test_model.py $M/tiny-llama --shape tiny >/dev/null || exit 12
 "$PY" scripts/make_test_model.py $M/tiny-fp8 --shape tiny --fp8 >/dev/null || exit 12
+"$PY" scripts/make_test_model.py $M/tiny-fp8-channel --shape tiny --fp8 channel >/dev/null || exit 12
 "$PY" scripts/make_test_model.py $M/tiny-moe --shape tiny-moe >/dev/null || exit 12
 "$PY" scripts/make_test_model.py $M/lora-a1 --adapter --seed 1 >/dev/null || exit 12
 "$PY" scripts/make_test_model.py $M/lora-a2 --adapter --seed 2 >/dev/null || exit 12
@@ -35,6 +37,7 @@ spec() {  # FAMILY -> the spec's path
   case $family in
     fp8-online) extra="  quantization: fp8" ;;
     fp8-ckpt) model=$M/tiny-fp8 ;;
+    fp8-channel) model=$M/tiny-fp8-channel ;;
     moe) model=$M/tiny-moe ;;
     lora) extra=$'  enable_lora: true\n  max_lora_rank: 8\n  max_loras: 2\n  lora_modules:\n    - a1='$M/lora-a1$'\n    - a2='$M/lora-a2 ;;
     ngram) extra='  speculative_config: {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}' ;;
