@@ -413,3 +413,166 @@ def test_the_stack_limit_is_lowered_once_and_put_back_once(monkeypatch: pytest.M
     assert worker.vsnap_restore_stack_limit() == {}  # once
     monkeypatch.setenv(weights_extension.STACK_ENV, "keep")
     assert "stack_freed_bytes" not in worker.vsnap_release_memory() and lowered == [1]
+
+
+# --- weights by reference: dma_plan_into over the model's files and the rank file ---------------
+
+from tests.unit.test_weights_reference import random_bytes, write_safetensors  # noqa: E402
+from vsnap.engine.adapters.vllm.weights import reference_copiers  # noqa: E402
+from vsnap.engine.adapters.vllm.weights.reference_copiers import dma_plan_into, plan_pieces  # noqa: E402
+from vsnap.engine.adapters.vllm.weights.references import IMAGE, Plan, write_by_reference  # noqa: E402
+
+
+@pytest.fixture
+def referenced(tmp_path: Path) -> tuple[Plan, Path, list[int], bytes]:
+    """A plan over one model file and a rank file: a fused tensor of two checkpoint tensors whose
+    file offsets are not page-aligned, literal bytes, a third, and the first again (tied: the same
+    file bytes read twice)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    a, b, c = random_bytes(20 * PAGE + 13, 1), random_bytes(17 * PAGE + 1, 2), random_bytes(16 * PAGE, 3)
+    write_safetensors(model / "model.safetensors", {"a": a, "b": b, "c": c})
+    pool = [np.concatenate([a, b]), random_bytes(3 * PAGE + 5, 4), c, a.copy(), random_bytes(777, 5)]
+    rank_path = tmp_path / "rank0.bin"
+    with open(rank_path, "wb") as f:
+        plan = write_by_reference(f, pool, str(model))
+    assert [e.source for e in plan.extents] == [0, 0, IMAGE, 0, 0, IMAGE]
+    assert not _mapped(model / "model.safetensors")  # the matcher unmapped it
+    return plan, rank_path, [p.size for p in pool], b"".join(p.tobytes() for p in pool)
+
+
+def _mapped_any(plan: Plan, rank_path: Path) -> bool:
+    return _mapped(rank_path) or _mapped(plan.model_path(0))
+
+
+@pytest.mark.parametrize("piece_pages,threads,held", [(1, 3, 2), (3, 2, 2), (4, 4, 2), (64, 1, 2), (1, 1, 16)])
+def test_a_plan_lands_every_byte_with_at_most_held_pieces_locked_per_thread(
+        monkeypatch: pytest.MonkeyPatch, referenced: tuple[Plan, Path, list[int], bytes], piece_pages: int,
+        threads: int, held: int) -> None:
+    plan, rank_path, sizes, data = referenced
+    driver = FakeDriver()  # refuses an overlapping registration and a copy from unlocked memory
+    _install(monkeypatch, driver)
+    targets = [FakeTarget(n) for n in sizes]
+    result = dma_plan_into(plan, rank_path, _layout(sizes), targets, threads=threads, piece=piece_pages * PAGE,
+                           held=held)
+    pieces = len(plan_pieces(plan, _layout(sizes), piece_pages * PAGE, PAGE))
+    assert result["weights_registered_pieces"] == pieces == driver.registrations
+    assert result["weights_referenced_bytes"] == plan.referenced_bytes
+    assert b"".join(t.bytes() for t in targets) == data
+    assert driver.peak <= held * min(threads, pieces)
+    assert driver.locked == {} and driver.contexts == 0 and not _mapped_any(plan, rank_path)
+
+
+def test_the_pieces_of_a_plan_cover_each_page_once_and_only_what_is_read(
+        referenced: tuple[Plan, Path, list[int], bytes]) -> None:
+    plan, _, sizes, _ = referenced
+    pieces = plan_pieces(plan, _layout(sizes), 2 * PAGE, PAGE)
+    for source in (IMAGE, 0):
+        ranges = sorted((p.lo, p.hi) for p in pieces if p.source == source)
+        assert all(lo % PAGE == 0 for lo, _ in ranges) and all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:]))
+    model_bytes = sum(p.hi - p.lo for p in pieces if p.source == 0)
+    header_pages = min(e.offset for e in plan.extents if e.source == 0) // PAGE * PAGE
+    assert model_bytes == plan.files[0].size - header_pages  # the header's whole pages are not locked
+    assert sum(n for p in pieces for *_, n in p.copies) == plan.total_bytes
+
+
+def test_an_all_literal_plan_takes_the_pieces_dma_into_takes(tmp_path: Path) -> None:
+    sizes = [1, 5 * PAGE + 13, PAGE, 0, 7 * PAGE - 1]
+    with open(tmp_path / "rank0.bin", "wb") as f:
+        plan = write_by_reference(f, [random_bytes(n, k) for k, n in enumerate(sizes)], str(tmp_path))
+    pieces = plan_pieces(plan, _layout(sizes), 3 * PAGE, PAGE)
+    assert [(p.lo, p.hi) for p in pieces] == [(lo, min(lo + 3 * PAGE, sum(sizes))) for lo in range(0, sum(sizes), 3 * PAGE)]
+
+
+@pytest.mark.parametrize("refuse_at,held", [(1, 2), (3, 2), (6, 2), (3, 16)])
+def test_a_refused_lock_of_a_plan_leaves_nothing_locked_or_mapped(
+        monkeypatch: pytest.MonkeyPatch, referenced: tuple[Plan, Path, list[int], bytes], refuse_at: int,
+        held: int) -> None:
+    plan, rank_path, sizes, _ = referenced
+    driver = FakeDriver(refuse_at=refuse_at)
+    _install(monkeypatch, driver)
+    with pytest.raises(RegistrationRefused, match="cuMemHostRegister"):
+        dma_plan_into(plan, rank_path, _layout(sizes), [FakeTarget(n) for n in sizes], threads=2, piece=PAGE,
+                      held=held)
+    assert driver.locked == {} and driver.contexts == 0 and not _mapped_any(plan, rank_path)
+    if (refuse_at, held) == (6, 2):
+        assert (driver.unlocks_at_failure or 0) > 0
+
+
+@pytest.mark.parametrize("fail_copy_at", [2, 12])
+def test_a_failed_copy_of_a_plan_is_an_error_with_nothing_left_locked(
+        monkeypatch: pytest.MonkeyPatch, referenced: tuple[Plan, Path, list[int], bytes], fail_copy_at: int) -> None:
+    plan, rank_path, sizes, _ = referenced
+    driver = FakeDriver(fail_copy_at=fail_copy_at)
+    _install(monkeypatch, driver)
+    handed: list[copiers.LockedPages] = []
+    with pytest.raises(RuntimeError, match="to the GPU"):
+        dma_plan_into(plan, rank_path, _layout(sizes), [FakeTarget(n) for n in sizes], threads=2, piece=PAGE,
+                      held=2, unlock_later=handed.append)
+    assert handed == [] and driver.locked == {} and driver.contexts == 0 and not _mapped_any(plan, rank_path)
+
+
+@pytest.mark.parametrize("threads,held", [(2, 16), (3, 2)])
+def test_unlock_later_gets_the_locked_pieces_of_each_file(
+        monkeypatch: pytest.MonkeyPatch, referenced: tuple[Plan, Path, list[int], bytes], threads: int,
+        held: int) -> None:
+    plan, rank_path, sizes, data = referenced
+    driver = FakeDriver()
+    _install(monkeypatch, driver)
+    targets = [FakeTarget(n) for n in sizes]
+    handed: list[copiers.LockedPages] = []
+    result = dma_plan_into(plan, rank_path, _layout(sizes), targets, threads=threads, piece=PAGE, held=held,
+                           unlock_later=handed.append)
+    assert b"".join(t.bytes() for t in targets) == data
+    assert len(handed) == 2  # the rank file's and the model file's
+    kept = sum(pages.pieces for pages in handed)
+    assert kept == len(driver.locked) == result["weights_unlocked_later_pieces"] > 0
+    assert _mapped(rank_path) and _mapped(plan.model_path(0))
+    assert copiers.release_all(handed, 0.0)["unlocked_pieces"] == kept
+    assert driver.locked == {} and driver.contexts == 0 and not _mapped_any(plan, rank_path)
+
+
+def test_a_model_file_that_changed_or_cannot_be_mapped_is_refused_before_anything_is_locked(
+        monkeypatch: pytest.MonkeyPatch, referenced: tuple[Plan, Path, list[int], bytes]) -> None:
+    plan, rank_path, sizes, _ = referenced
+    driver = FakeDriver()
+    _install(monkeypatch, driver)
+    real_mmap, calls = reference_copiers.mmap.mmap, []
+
+    def second_fails(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(12, "Cannot allocate memory")
+        return real_mmap(*args, **kwargs)
+
+    monkeypatch.setattr(reference_copiers.mmap, "mmap", second_fails)
+    with pytest.raises(RegistrationRefused, match="cannot be mapped"):
+        dma_plan_into(plan, rank_path, _layout(sizes), [FakeTarget(n) for n in sizes], piece=PAGE)
+    assert driver.registrations == 0 and not _mapped_any(plan, rank_path)
+    monkeypatch.setattr(reference_copiers.mmap, "mmap", real_mmap)
+    with open(plan.model_path(0), "ab") as f:
+        f.write(b"\0")
+    with pytest.raises(ValueError, match="changed since the capture"):
+        dma_plan_into(plan, rank_path, _layout(sizes), [FakeTarget(n) for n in sizes], piece=PAGE)
+    assert driver.registrations == 0 and not _mapped_any(plan, rank_path)
+
+
+def test_a_refused_unlock_of_a_plan_fails_the_load_and_keeps_only_that_file_mapped(
+        monkeypatch: pytest.MonkeyPatch, referenced: tuple[Plan, Path, list[int], bytes]) -> None:
+    plan, rank_path, sizes, _ = referenced
+    driver = FakeDriver()
+    _install(monkeypatch, driver)
+    original = driver.cuMemHostRegister
+
+    def register_then_refuse_its_unlock(address: int, size: int, flags: int) -> tuple[int]:
+        if not driver.refuse_unlock:
+            driver.refuse_unlock = {address}
+        return original(address, size, flags)
+
+    driver.cuMemHostRegister = register_then_refuse_its_unlock  # type: ignore[method-assign]
+    with pytest.warns(UserWarning), pytest.raises(copiers.UnlockRefused):
+        dma_plan_into(plan, rank_path, _layout(sizes), [FakeTarget(n) for n in sizes], threads=2, piece=PAGE, held=2)
+    # the first piece is the rank file's (pieces go file by file, the rank file first): it stays locked and
+    # mapped; the model file's pieces were all unlocked and it is unmapped
+    assert list(driver.locked) == list(driver.refuse_unlock) and _mapped(rank_path)
+    assert not _mapped(plan.model_path(0))

@@ -319,7 +319,7 @@ class VllmAdapter(EngineAdapter):
         weights_dir = self.launch.weights_dir
         if weights_dir and self._ours:
             try:
-                saved = await self._rpc("vsnap_save_weights", weights_dir)
+                saved = await self._rpc("vsnap_save_weights", *self._save_weights_args(weights_dir))
                 print(f"vsnap: weights file written: {saved}", flush=True)
                 self.weights_source = "file"
             except Exception as exc:  # e.g. two tensors of the weights pool that overlap
@@ -340,6 +340,14 @@ class VllmAdapter(EngineAdapter):
         await self._sleep()
         self._freeze_gc_heap()
         return oracle
+
+    def _save_weights_args(self, weights_dir: str) -> tuple[str, ...]:
+        """vsnap_save_weights' arguments: the weights file's directory and, with weights by reference
+        (weights_extension.BY_REFERENCE_ENV=1 in the capture's environment; opt-in), the model
+        directory whose safetensors files the weights file may refer to."""
+        if os.environ.get(weights_extension.BY_REFERENCE_ENV) == "1":
+            return weights_dir, self.launch.model
+        return (weights_dir,)
 
     @staticmethod
     def _freeze_gc_heap() -> None:

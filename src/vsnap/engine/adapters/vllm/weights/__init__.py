@@ -14,6 +14,10 @@ host-to-device copy while the next piece is read (buffered_into).
     copiers     the file into the tensors: stream_into, dma_into, buffered_into, LockedPages
     pool        vLLM's sleep allocator: pool_tensors, the CUDA graph pool, device_memory_report
     extension   WeightsFileExtension, vLLM's worker_extension_cls (EXTENSION names it); the stack limit
+    references  weights by reference (opt-in, extension.BY_REFERENCE_ENV): the bytes the model's own
+                safetensors hold are not written again; a Plan of extents says where each byte is
+    safetensors_header   a .safetensors file's tensors, from its header read as hostile
+    reference_copiers    a Plan into the tensors: stream_plan_into, dma_plan_into, buffered_plan_into
 
 Nothing is re-exported: import the module that holds a name. vLLM imports extension (by its
 qualified name) in every worker.

@@ -15,7 +15,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vsnap.engine.adapters.vllm.tp import TensorParallelExtension
 from vsnap.engine.heap import release_heap
@@ -31,9 +31,15 @@ from .pool import (
     weights_pool_ranges,
 )
 
+if TYPE_CHECKING:  # references and reference_copiers need numpy: imported when weights by reference are asked for
+    from .references import Plan
+
 EXTENSION = f"{__name__}.WeightsFileExtension"
 STACK_ENV = "VSNAP_CUDA_STACK"  # "keep" in the capture's environment: the stack reservation stays in the checkpoint (default: lower_stack_limit)
 GRAPH_POOL_ENV = "VSNAP_GRAPH_POOL"  # "sleep": the worker routes the pool when it imports this module
+# "1" in the capture's environment: the weights file refers to the model's safetensors for the bytes they
+# hold (references.py; the adapter passes the model directory to vsnap_save_weights). Opt-in (default off)
+BY_REFERENCE_ENV = "VSNAP_WEIGHTS_BY_REFERENCE"
 
 
 class WeightsFileExtension(TensorParallelExtension):
@@ -47,29 +53,64 @@ class WeightsFileExtension(TensorParallelExtension):
     def _vsnap_rank(self) -> int:
         return int(getattr(self, "rank", 0))
 
-    def vsnap_save_weights(self, directory: str) -> dict[str, Any]:
+    def vsnap_save_weights(self, directory: str, model_dir: str | None = None) -> dict[str, Any]:
         """Write the weights pool's tensors (pool_tensors) to DIRECTORY/rank<N>.bin (called while
-        the weights are loaded); the worker keeps the views to refill after a wake."""
+        the weights are loaded); the worker keeps the views to refill after a wake.
+
+        With ``model_dir`` (weights by reference, BY_REFERENCE_ENV): the bytes that are the model
+        directory's own safetensors tensors are not written; the file holds the rest, and the plan
+        of where each byte comes from (references.Plan) is kept in memory like the layout, and
+        written beside the file as rank<N>.refs.json for the host and for people."""
         start = time.monotonic()
         named = pool_tensors(self._vsnap_model())
         if not named:
             raise RuntimeError("the weights are not in vLLM's sleep allocator (is sleep mode on?)")
         os.makedirs(directory, mode=0o700, exist_ok=True)
         path = Path(directory) / file_name(self._vsnap_rank())
+        plan: Plan | None = None
         with open(path, "wb") as f:
-            for _, tensor in named:
-                f.write(memoryview(tensor.cpu().numpy()))
+            if model_dir is None:
+                for _, tensor in named:
+                    f.write(memoryview(tensor.cpu().numpy()))
+            else:
+                from .references import write_by_reference
+
+                plan = write_by_reference(f, (t.cpu().numpy() for _, t in named), model_dir,
+                                          parts=self._vsnap_tensor_parallel_size())
             f.flush()
             os.fsync(f.fileno())
         self._vsnap_layout = layout(named)
         self._vsnap_targets = [t for _, t in named]
         self._vsnap_sums = fingerprint(named)
+        self._vsnap_plan = plan
         parameters = sum(1 for name, _ in named if not name.startswith("tensor@"))
         others = sorted(((t.numel(), name) for name, t in named if name.startswith("tensor@")), reverse=True)
-        return {"weights_bytes": float(path.stat().st_size), "weights_save_s": time.monotonic() - start,
-                "tensors": float(len(named)), "parameter_storages": float(parameters),
-                "other_bytes": float(sum(n for n, _ in others)),
-                "largest_others": "; ".join(f"{name} {n / 1e6:.1f} MB" for n, name in others[:4])}
+        report: dict[str, Any] = {"weights_bytes": float(path.stat().st_size), "weights_save_s": time.monotonic() - start,
+                                  "tensors": float(len(named)), "parameter_storages": float(parameters),
+                                  "other_bytes": float(sum(n for n, _ in others)),
+                                  "largest_others": "; ".join(f"{name} {n / 1e6:.1f} MB" for n, name in others[:4])}
+        if plan is not None:
+            self._vsnap_write_plan(directory, plan)
+            report.update({"referenced_bytes": float(plan.referenced_bytes), "literal_bytes": float(plan.literal_bytes),
+                           "reference_extents": float(sum(1 for e in plan.extents if e.source >= 0)),
+                           "referenced_files": float(len(plan.files))})
+            if plan.skipped:
+                report["skipped_model_files"] = "; ".join(f"{name}: {why}" for name, why in plan.skipped)
+        return report
+
+    def _vsnap_tensor_parallel_size(self) -> int:
+        return int(getattr(getattr(self, "parallel_config", None), "tensor_parallel_size", 1) or 1)
+
+    def _vsnap_write_plan(self, directory: str, plan: Plan) -> None:
+        """DIRECTORY/rank<N>.refs.json: the plan as people and the host read it (the worker uses the
+        plan it keeps in memory)."""
+        from .references import plan_file_name
+
+        rank_file = file_name(self._vsnap_rank())
+        with open(Path(directory) / plan_file_name(self._vsnap_rank()), "w") as f:
+            f.write(plan.to_json(rank_file))
+            f.flush()
+            os.fsync(f.fileno())
 
     def vsnap_start_loading_weights(self, directory: str) -> None:
         """Start streaming DIRECTORY/rank<N>.bin into the (awake, empty) weights pool in the
@@ -88,6 +129,13 @@ class WeightsFileExtension(TensorParallelExtension):
         locked: list[LockedPages] = []
         self._vsnap_locked = locked
         pool = ThreadPoolExecutor(max_workers=1)
+        plan: Plan | None = getattr(self, "_vsnap_plan", None)
+        if plan is not None:  # weights by reference: each extent from a model file or the rank file
+            from .reference_copiers import stream_plan_into
+
+            self._vsnap_loading = (pool, pool.submit(stream_plan_into, plan, path, saved, self._vsnap_targets,
+                                                     unlock_later=locked.append))
+            return
         self._vsnap_loading = (pool, pool.submit(stream_into, path, saved, self._vsnap_targets,
                                                  unlock_later=locked.append))
 
@@ -123,12 +171,19 @@ class WeightsFileExtension(TensorParallelExtension):
     def vsnap_refresh_weights(self, directory: str) -> dict[str, float]:
         """Rewrite, in place, the file's pieces whose tensors changed since it was written (the
         oracle and the rehearsal between the save and the checkpoint move LoRA adapters between
-        slots): the file must hold the pool as the image's CPU state expects it."""
+        slots): the file must hold the pool as the image's CPU state expects it. By reference,
+        a referenced range that changed becomes literal (appended to the file; refresh_plan)."""
         start = time.monotonic()
         named = list(zip((seg.name for seg in self._vsnap_layout), self._vsnap_targets))
         now = fingerprint(named)
         changed = [k for k, (seg, (name, tensor)) in enumerate(zip(self._vsnap_layout, named))
                    if now[name] != self._vsnap_sums.get(name)]
+        plan: Plan | None = getattr(self, "_vsnap_plan", None)
+        if changed and plan is not None:
+            made_literal = self._vsnap_refresh_plan(directory, plan, changed)
+            self._vsnap_sums = now
+            return {"refreshed_tensors": float(len(changed)), "references_made_literal": float(made_literal),
+                    "refresh_s": time.monotonic() - start}
         if changed:
             fd = os.open(Path(directory) / file_name(self._vsnap_rank()), os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
             try:
@@ -141,6 +196,24 @@ class WeightsFileExtension(TensorParallelExtension):
                 os.close(fd)
             self._vsnap_sums = now
         return {"refreshed_tensors": float(len(changed)), "refresh_s": time.monotonic() - start}
+
+    def _vsnap_refresh_plan(self, directory: str, plan: Plan, changed: list[int]) -> int:
+        """vsnap_refresh_weights by reference: the changed tensors (indices) through refresh_plan;
+        the new plan kept, and written beside the file when a reference became literal. Returns
+        how many did."""
+        from .references import refresh_plan
+
+        changed_bytes = ((self._vsnap_layout[k].offset, self._vsnap_targets[k].cpu().numpy()) for k in changed)
+        fd = os.open(Path(directory) / file_name(self._vsnap_rank()), os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        try:
+            new, made_literal = refresh_plan(plan, fd, changed_bytes)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        self._vsnap_plan = new
+        if made_literal:
+            self._vsnap_write_plan(directory, new)
+        return made_literal
 
     def vsnap_fingerprint(self) -> dict[str, int]:
         """Checksums of the parameters, the buffers and the weights file's tensors (while awake)."""
