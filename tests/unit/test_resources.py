@@ -85,6 +85,15 @@ def test_a_gpu_capture_needs_disk_for_the_weights_file_and_room_on_the_gpu(
                                     meminfo(tmp_path, 24_000_000))
     assert [n.need for n in needs if n.resource == "GPU memory"] == [4 * GB, 4 * GB]
     assert all(n.ok for n in needs if n.resource == "GPU memory")
+    # weights by reference: the weights file may hold none of the model's bytes
+    monkeypatch.setenv(resources.BY_REFERENCE_ENV, "1")
+    needs = resources.capture_needs(spec(tmp_path), directory, tmp_path / "img", [h200], meminfo(tmp_path, 24_000_000))
+    assert [n.need for n in needs if n.resource == "disk"] == [resources.TREE_FLOOR["vllm-cuda"]]
+    monkeypatch.delenv(resources.BY_REFERENCE_ENV)
+    reloading = ModelSpec.model_validate({**spec(tmp_path).model_dump(mode="json"), "snapshot": {
+        "control_dir": str(tmp_path / "control"), "weights": "model"}})
+    needs = resources.capture_needs(reloading, directory, tmp_path / "img", [h200], meminfo(tmp_path, 24_000_000))
+    assert [n.need for n in needs if n.resource == "disk"] == [resources.TREE_FLOOR["vllm-cuda"]]
 
 
 def test_a_cpu_capture_holds_the_weights_in_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

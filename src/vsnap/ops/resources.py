@@ -33,6 +33,9 @@ GiB = 1 << 30
 # The least memory a booted tree holds besides the weights, per engine and where it runs, from the
 # images measured (docs/benchmarks): the built-in engine's tree 0.33 GB; vLLM's CPU backend's
 # 1.7 GB with a tiny model; vLLM on a GPU 3.9 GB resident (EngineCore 2.9, API server 1.0, 70B).
+# the engine's opt-in switch (engine/adapters/vllm/weights/extension.py BY_REFERENCE_ENV), read here
+# from the capture's environment, which the tree inherits
+BY_REFERENCE_ENV = "VSNAP_WEIGHTS_BY_REFERENCE"
 TREE_FLOOR = {"cpu": 256 << 20, "vllm-cpu": 1 * GiB, "vllm-cuda": 2 * GiB}
 
 
@@ -118,7 +121,13 @@ def capture_needs(spec: ModelSpec, model_dir: Path | None, image_dir: Path, gpus
     floor = TREE_FLOOR["cpu" if spec.engine == "cpu" else f"vllm-{where}"]
     weights = weights_bytes(model_dir)
     free, disk = free_disk(image_dir)
-    if where == "cuda":  # the weights file, then the tree's memory
+    if where == "cuda" and (spec.snapshot.weights == "model" or os.environ.get(BY_REFERENCE_ENV) == "1"):
+        disk_need, memory_need = floor, floor  # no weights file, or one that may hold none of the model's bytes
+        why_disk = ("the tree's memory, at least (no weights file: reloaded from the model's files)"
+                    if spec.snapshot.weights == "model" else
+                    "the tree's memory, at least (weights by reference: the weights file holds what the model's do not)")
+        why_memory = "the booted tree, at least"
+    elif where == "cuda":  # the weights file, then the tree's memory
         disk_need, memory_need = weights + floor, floor
         why_disk = f"the weights file {weights / 1e9:.1f} GB and the tree's memory, at least {floor / 1e9:.1f} GB"
         why_memory = "the booted tree, at least"
