@@ -64,3 +64,46 @@ def test_a_directory_that_is_not_roots_alone_leaves_metrics_out(monkeypatch: pyt
     link.symlink_to(tmp_path / "elsewhere")
     monkeypatch.setenv(metrics.METRICS_DIR_ENV, str(link))
     assert metrics.write_instance_metrics("r-00000003", "m", "restored", {"recover": 1.0}) is None
+
+
+def test_forgetting_an_instance_removes_its_file_where_its_record_says(monkeypatch: pytest.MonkeyPatch,
+                                                                         tmp_path: Path) -> None:
+    """Hostile pass 14: `vsnap stop` without VSNAP_METRICS_DIR (another shell, a `kubectl exec`) left
+    the stopped instance's file for ever. The record names the directory its file was written into."""
+    import time
+
+    from vsnap.host import instances
+
+    monkeypatch.setattr(instances, "RUNTIME_DIR", tmp_path / "run")
+    directory = tmp_path / "textfile"
+    monkeypatch.setenv(metrics.METRICS_DIR_ENV, str(directory))
+    written = metrics.write_instance_metrics("r-00000004", "m", "restored", {"recover": 1.0})
+    assert written is not None
+    record = instances.InstanceRecord(id="r-00000004", image="/i", name="m", state="serving",
+                                      owner=instances.this_process(), started_at=time.time(),
+                                      instance_dir=str(tmp_path / "c.instances" / "r-00000004"),
+                                      metrics_dir=str(written.parent))
+    instances.register(record)
+    monkeypatch.delenv(metrics.METRICS_DIR_ENV)  # the stopping command's own environment has none
+    instances.unregister("r-00000004")
+    assert not written.exists() and list(directory.iterdir()) == []
+    with pytest.raises(ValueError, match="metrics_dir must be an absolute path"):
+        record.model_copy(update={"metrics_dir": "relative/dir"})
+
+
+def test_a_recorded_directory_that_is_not_roots_alone_is_left_as_it_is(tmp_path: Path) -> None:
+    """The record is root's, but what it names may have changed since: a directory another user
+    can write (or a link put in its place) is not acted on."""
+    directory = tmp_path / "textfile"
+    directory.mkdir(mode=0o700)
+    (directory / "vsnap-r-00000005.prom").write_text("x")
+    os.chmod(directory, 0o777)
+    metrics.remove_instance_metrics("r-00000005", directory)
+    assert (directory / "vsnap-r-00000005.prom").exists()
+    os.chmod(directory, 0o700)
+    link = tmp_path / "link"
+    link.symlink_to(directory)
+    metrics.remove_instance_metrics("r-00000005", link)
+    assert (directory / "vsnap-r-00000005.prom").exists()
+    metrics.remove_instance_metrics("r-00000005", directory)
+    assert list(directory.iterdir()) == []

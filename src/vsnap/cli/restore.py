@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, NoReturn, Optional
 
 import typer
 
@@ -12,6 +15,8 @@ if TYPE_CHECKING:
 
 from . import _app as app
 from . import _render, error_boundary
+
+INTERRUPTS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}  # each ends a restore (error_boundary)
 
 
 @app.command(help="Restore IMAGE, prove it with the oracle, then serve on --host/--port. "
@@ -35,22 +40,44 @@ def restore(
                                                           "memory only, until `vsnap activate INSTANCE`"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON document on stdout"),
 ) -> None:
-    from vsnap.host import gpu_early  # light: it starts the driver before the restore path's imports
-
-    gpu_early.start()  # the CUDA driver starts while the restore path is imported
-    # here, not at import: every vsnap command loads every command module
-    from vsnap.host.proctree import seconds_since_start
-    from vsnap.ops.restore import restore_image, wait_server
-    from vsnap.ops.stop import stop_server
-    from vsnap.protocol.errors import EngineError
-
-    started_s = seconds_since_start()  # the interpreter's start and the imports, before any phase
-    progress = _render.PhaseProgress()
     try:
-        server = restore_image(image, host=host, port=port, gpu=gpu, rehash=rehash, lazy_pages=lazy_pages,
-                               standby=standby, on_event=progress)
-    finally:
-        progress.close()
+        # an interrupt that arrived while blocked (a parent's signal mask is inherited) is taken now
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, INTERRUPTS)
+        from vsnap.host import gpu_early  # light: it starts the driver before the restore path's imports
+
+        gpu_early.start()  # the CUDA driver starts while the restore path is imported
+        # here, not at import: every vsnap command loads every command module
+        from vsnap.host.proctree import seconds_since_start
+        from vsnap.ops.restore import restore_image, wait_server
+        from vsnap.ops.stop import stop_server
+        from vsnap.protocol.errors import EngineError
+
+        started_s = seconds_since_start()  # the interpreter's start and the imports, before any phase
+        progress = _render.PhaseProgress()
+        try:
+            server = restore_image(image, host=host, port=port, gpu=gpu, rehash=rehash, lazy_pages=lazy_pages,
+                                   standby=standby, on_event=progress)
+        finally:
+            progress.close()
+    except KeyboardInterrupt:
+        exit_interrupted()
+    try:  # from here an interrupt stops the server: the command did not hand it over
+        _report(server, as_json, detach, standby, lazy_pages, started_s)
+        if detach:
+            server.detach()
+            return
+        if not as_json:
+            _render.stderr.print("Ctrl-C stops the " + ("standby (and the server it becomes)" if standby else "server"))
+        wait_server(server.pid)
+    except KeyboardInterrupt:
+        _render.stderr.print("stopping the server…")
+        stop_server(server)
+        raise
+    raise EngineError("serve", "EngineExited", "the server exited", log_path=server.engine_log)
+
+
+def _report(server: RestoredServer, as_json: bool, detach: bool, standby: bool, lazy_pages: bool,
+            started_s: float) -> None:
     if not as_json:
         for warning in server.host_warnings:  # before the table: they may explain what follows
             _render.stderr.print(f"warning: {_render.clean(warning)}", markup=False)
@@ -64,18 +91,18 @@ def restore(
     else:
         _render.stdout.print(_render.timing_table(f"restored {server.image_dir}", server.timings, server.recovery))
         _render.stdout.print(serving_line(server), markup=False)
-    if detach:
-        server.detach()
-        return
-    if not as_json:
-        _render.stderr.print("Ctrl-C stops the " + ("standby (and the server it becomes)" if standby else "server"))
-    try:
-        wait_server(server.pid)
-    except KeyboardInterrupt:
-        _render.stderr.print("stopping the server…")
-        stop_server(server)
-        raise
-    raise EngineError("serve", "EngineExited", "the server exited", log_path=server.engine_log)
+
+
+def exit_interrupted() -> NoReturn:
+    """Ctrl-C (or SIGTERM, SIGHUP) before the server was returned: restore_image has released
+    everything it made. Exit 130 now, not through the interpreter's exit: that would wait for the
+    threads the interrupted verify phase left running (hashing the image's files has no deadline:
+    minutes for a large image) and run the CUDA driver's exit handlers while the thread that starts
+    the driver (host.gpu_early) may still be inside cuInit."""
+    _render.stderr.print("interrupted")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(130)
 
 
 def serving_document(server: RestoredServer, started_s: float) -> dict[str, Any]:

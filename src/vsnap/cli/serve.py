@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import sys
 import time
@@ -20,14 +19,27 @@ if TYPE_CHECKING:
     from vsnap.ops.serve import Ready
 
 
-class _Terminated(Exception):
-    """SIGTERM: the orchestrator ends the pod; a clean stop, exit 0."""
+class _Terminated(BaseException):
+    """SIGTERM: the orchestrator ends the pod; a clean stop, exit 0. A BaseException, as
+    KeyboardInterrupt is: no ``except Exception`` on the way may take it for a failure."""
+
+
+_stopping: list[int] = []  # the SIGTERM, once received
 
 
 def _terminate(signum: int, frame: Any) -> None:
     # once: a second SIGTERM (a shell or `timeout` signalling the group too) must not cut the stop short
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _stopping.append(signum)
     raise _Terminated
+
+
+def _still_stopping() -> None:
+    """Raise the stop again if it was taken for a failure on the way (a cleanup that keeps going
+    when interrupted adds the stop to the failure as a note, and serving would then fall back to a
+    cold start): checked at every event."""
+    if _stopping:
+        raise _Terminated
 
 
 def emit(event: str, **detail: Any) -> None:
@@ -51,38 +63,45 @@ def serve(
                                                           "then restore it (the next start is fast)"),
     ready_file: Optional[Path] = typer.Option(None, "--ready-file", help="written once the first request is fast "
                                               "(restored: the oracle passed; cold: a first completion "
-                                              "succeeded), removed at the stop: for a readiness probe"),
+                                              "succeeded), removed at the stop: for a readiness probe; one "
+                                              "left by a killed vsnap serve is removed at the start"),
 ) -> None:
+    # First, before the imports: from here on a SIGTERM is a clean stop (exit 0), and one that
+    # arrived while SIGTERM was blocked (a parent's signal mask is inherited) is taken now
+    signal.signal(signal.SIGTERM, _terminate)
+    _stopping.clear()
+    try:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        _serve(spec, host, port, gpu, capture, ready_file)
+    except _Terminated:
+        emit("stopped", reason="SIGTERM")
+
+
+def _serve(spec: Path, host: str, port: int, gpu: str | None, capture: bool, ready_file: Path | None) -> None:
     # here, not at import: every vsnap command loads every command module
-    from vsnap.host.trust import make_trusted_dirs
-    from vsnap.ops.serve import serve_spec
-    from vsnap.protocol.control import write_atomic
+    from vsnap.ops.serve import ReadyFile, serve_spec
     from vsnap.spec.schema import load_spec
 
-    signal.signal(signal.SIGTERM, _terminate)  # after error_boundary's: a stop, not an interruption
     model_spec = load_spec(spec)
-    ready_path = Path(os.path.abspath(ready_file)) if ready_file is not None else None
-    written: list[Path] = []  # the ready file, once vsnap wrote it: only that is removed at the stop
+    ready = ReadyFile.claim(ready_file) if ready_file is not None else None  # before anything could be ready
 
     def on_event(event: PhaseEvent) -> None:
         emit("phase", phase=event.phase, state=event.state, seconds=event.seconds)
+        _still_stopping()
 
-    def on_ready(ready: Ready) -> None:
-        if ready_path is not None:  # every directory on the way root's alone, the file never through a link
-            directory = make_trusted_dirs(ready_path.parent)
-            write_atomic(directory, ready_path.name, f"{ready.url}\n".encode())
-            written.append(directory / ready_path.name)
-        emit("ready", how=ready.how, url=ready.url, port=ready.port, pid=ready.pid, fallback=ready.fallback)
+    def on_note(kind: str, detail: dict[str, object]) -> None:
+        _still_stopping()  # before: a stop is no reason to capture or fall back
+        emit(kind, **detail)
+
+    def on_ready(served: Ready) -> None:
+        if ready is not None:
+            ready.write(served.url)
+        emit("ready", how=served.how, url=served.url, port=served.port, pid=served.pid, fallback=served.fallback)
 
     emit("start", spec=str(spec), image=str(model_spec.image_dir), capture=capture)
     try:
         serve_spec(model_spec, host=host, port=port, gpu=gpu, capture=capture, on_event=on_event,
-                   on_note=lambda kind, detail: emit(kind, **detail), on_ready=on_ready)
-    except _Terminated:
-        emit("stopped", reason="SIGTERM")
+                   on_note=on_note, on_ready=on_ready)
     finally:
-        for path in written:  # never a file vsnap did not write (a refused path is left alone)
-            try:
-                os.unlink(path)  # a link there is removed, not followed
-            except FileNotFoundError:
-                pass
+        if ready is not None:
+            ready.remove()  # only the file this process wrote (a link there is removed, not followed)

@@ -60,7 +60,7 @@ def require_root_owned_executable(path: Path, name: str, *, source: str) -> Path
     if problem is None and not (path.is_file() and os.access(path, os.X_OK)):
         problem = "not an executable file"
     if problem is not None:
-        raise HostNotReady(name, f"refusing to run {path} ({source}) as root: it is {problem}", found=str(path),
+        raise HostNotReady(name, f"refusing to run {path} ({source}) as root: {problem}", found=str(path),
                            hint=EXECUTABLE_HINT)
     return path
 

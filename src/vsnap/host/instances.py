@@ -90,6 +90,9 @@ class InstanceRecord(Record):
     started_at: float = field(ge=0)
     # the phases of the command that brought it to serving (restore or activate), in seconds
     timings: dict[str, float] = field(default_factory=dict)
+    # where its metrics file was written (VSNAP_METRICS_DIR of the command that wrote it): removed
+    # from there when it is forgotten, whatever the remover's environment; "" when none was
+    metrics_dir: str = ""
 
     def _check(self) -> None:
         """The id is one new_instance_dir made, and names the instance's directory: vsnap removes
@@ -98,6 +101,8 @@ class InstanceRecord(Record):
             raise ValueError("id must be an instance name (r-XXXXXXXX)")
         require_plain_path(self.image, "image")
         require_plain_path(self.instance_dir, "instance_dir")
+        if self.metrics_dir:
+            require_plain_path(self.metrics_dir, "metrics_dir")
         work = PurePosixPath(self.instance_dir)
         if work.name != self.id or not work.parent.name.endswith(".instances"):
             raise ValueError("instance_dir must be CONTROL_DIR.instances/<id>")
@@ -168,11 +173,19 @@ def register(record: InstanceRecord) -> None:
 
 
 def unregister(instance_id: str) -> None:
-    """Forget the instance: its record, and its metrics file where metrics are on."""
+    """Forget the instance: its record, and its metrics file, in the directory the record names
+    (whatever this process's VSNAP_METRICS_DIR) and in this process's own metrics directory."""
+    directory = registry_dir()
     try:
-        os.unlink(registry_dir() / f"{instance_id}.json")
+        record = control.read_message(directory, f"{instance_id}.json", InstanceRecord)
+    except control.ControlProtocolError:
+        record = None  # unreadable: still removed (as before), its metrics file only where this process has one
+    try:
+        os.unlink(directory / f"{instance_id}.json")
     except FileNotFoundError:
         pass
+    if record is not None and record.id == instance_id and record.metrics_dir:
+        remove_instance_metrics(instance_id, Path(record.metrics_dir))
     remove_instance_metrics(instance_id)
 
 
@@ -213,6 +226,20 @@ def _mounts_instance_dir(pid: int, instance_id: str) -> bool:
                        for fields in (line.split() for line in f))
     except OSError:
         return False
+
+
+def left_by_restore(pid: int, instance_id: str, instance_dir: Path) -> bool:
+    """Is ``pid`` (a child of the restoring process) what a restore of this instance started: its
+    `criu restore` (the instance directory on its command line) or the tree CRIU restored (the
+    first process of a PID namespace of its own that sees the instance's directory mounted)?"""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if os.fsencode(instance_dir) in f.read().split(b"\0"):
+                return True
+    except OSError:
+        return False
+    identity = identify(pid)
+    return identity is not None and is_tree_root(identity) and _mounts_instance_dir(pid, instance_id)
 
 
 def _pidfile_root(record: InstanceRecord, criu: ProcessRef) -> ProcessIdentity | None:

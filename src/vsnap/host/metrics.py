@@ -4,8 +4,9 @@ textfile collector.
 Only where ``VSNAP_METRICS_DIR`` names a directory (point it at the collector's, e.g.
 `--collector.textfile.directory=/var/lib/node_exporter/textfile_collector`; docs/fleet.md): one
 file per serving instance, ``vsnap-<instance>.prom``, written atomically (never through a link,
-in root's own directory) once it serves and removed when it is stopped. Nothing else is written
-there and nothing else is removed.
+in root's own directory) once it serves and removed when it is stopped (the instance's record
+names the directory, so `vsnap stop` finds the file whatever its own environment). Nothing else is
+written there and nothing else is removed.
 """
 
 from __future__ import annotations
@@ -67,12 +68,23 @@ def write_instance_metrics(instance_id: str, image: str, how: str, phases: Mappi
     return directory / name
 
 
-def remove_instance_metrics(instance_id: str) -> None:
-    """Remove the instance's file (only that name; a link there is removed, not followed)."""
-    directory = metrics_dir()
+def remove_instance_metrics(instance_id: str, directory: Path | None = None) -> None:
+    """Remove the instance's file from ``directory`` (the one its record names: where it was
+    written, whatever this process's environment says), else from this process's metrics
+    directory. Only that name; a link there is removed, not followed, and a directory that is not
+    root's alone is left as it is."""
+    directory = directory or metrics_dir()
     if directory is None:
         return
     try:
-        os.unlink(directory / f"vsnap-{instance_id}.prom")
-    except (FileNotFoundError, NotADirectoryError):
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:  # gone, or a link: nothing of ours to remove there
+        return
+    try:
+        st = os.fstat(fd)
+        if st.st_uid == os.geteuid() and not st.st_mode & 0o022:
+            os.unlink(f"vsnap-{instance_id}.prom", dir_fd=fd)
+    except OSError:  # already gone (best effort, as the writing: a monitoring setting never fails a stop)
         pass
+    finally:
+        os.close(fd)

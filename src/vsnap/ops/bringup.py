@@ -227,10 +227,11 @@ def bring_up(tree: RestoredTree, host: str, port: int, targets: list[Gpu] | None
         if failure is not None:
             raise failure
     check_stop(work)
+    metrics = write_instance_metrics(tree.record.id, manifest.name, "restored", timings.seconds)
     register(tree.record.model_copy(update={"state": "serving", "url": server.url, "port": server.port,
                                             "gpu": server.gpu, "activator": None,
-                                            "timings": dict(timings.seconds)}))
-    write_instance_metrics(tree.record.id, manifest.name, "restored", timings.seconds)
+                                            "timings": dict(timings.seconds),
+                                            "metrics_dir": str(metrics.parent) if metrics else ""}))
     t = validated.times
     server.recovery = {k: v for k, v in validated.detail.items() if isinstance(v, (int, float))}
     server.weights_source = validated.detail.get("weights_source")

@@ -1,8 +1,8 @@
 """restore_image(): verify, CRIU restore, activate, wait for the oracle, health check.
 
 Phases: verify image, prepare host, criu restore, recover (the engine reloads its weights and
-re-runs the oracle), serve (bind and health check). Any failure after CRIU restored the tree
-kills the tree, so nothing is left running.
+re-runs the oracle), serve (bind and health check). Any failure or interrupt from CRIU's start on
+ends CRIU and the tree it restored, so nothing is left running.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from vsnap.host.http import check_port_free
 from vsnap.host.instances import (
     InstanceRecord,
     ProcessRef,
+    left_by_restore,
     new_instance_dir,
     pidfile_dir,
     pidfile_of,
@@ -63,7 +64,8 @@ from .bringup import RESTORE_LOG, CheckClock, RestoredServer, RestoredTree, brin
 from .gpus import Gpu, choose_gpus, require_gpu_state, shown
 
 LAZY_PAGES_LOG = "lazy-pages.log"
-CRIU_RUNNING_FAILPOINT = "inside criu restore"  # VSNAP_FAILPOINT: SIGKILL this process while CRIU restores
+# VSNAP_FAILPOINT: SIGKILL this process while CRIU restores ("stall ...": hold it there while CRIU goes on)
+CRIU_RUNNING_FAILPOINT = "inside criu restore"
 
 
 def restore_pidfile(instance_id: str) -> Path:
@@ -214,7 +216,8 @@ def _verify(image: Image, host: str, port: int, gpu: str | None, clock: CheckClo
     clock.mark("trust_and_manifest")
     # (submitted before what waits for them: the pool starts its jobs in order, so nothing waits
     # for a job that has no thread)
-    with ThreadPoolExecutor(max_workers=8) as pool:
+    pool = ThreadPoolExecutor(max_workers=8)
+    try:
         # the GPUs' facts once, for the host check and the GPU choice (two threads asking the
         # driver side by side slowed the 8B's verify phase from 0.17 s to 0.25 to 0.32 s)
         gpus = pool.submit(clock.call, "gpu_facts", gpu_early.gpu_facts) if manifest.cuda_processes else None
@@ -235,6 +238,12 @@ def _verify(image: Image, host: str, port: int, gpu: str | None, clock: CheckClo
         for check in checks:
             check.result()
         target = choosing.result() if choosing is not None else None
+    except BaseException:
+        # a refusal or an interrupt ends the phase now, not once every check has run: hashing the
+        # image's files has no deadline (minutes for a large image); the checks not started never are
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
     return _Checked(target, host_fit.result(), len(hashing.result()))
 
 
@@ -289,6 +298,7 @@ def _criu_restore(image: Image, instance: _Instance, cleanup: Cleanup, *,
             images_dir=image.criu_dir, work_dir=work, log_file=work / LAZY_PAGES_LOG))
         cleanup.on_failure(lazy.kill)
     children_before = our_children()  # the restored root must be a new one
+    cleanup.on_failure(_end_left_by_criu, instance, children_before)  # until the root is the cleanup's
     pid = runner.restore(RestoreOptions(
         images_dir=image.criu_dir, work_dir=work, log_file=work / RESTORE_LOG,
         pidfile=restore_pidfile(instance.id), externals=externals,
@@ -304,6 +314,19 @@ def _criu_restore(image: Image, instance: _Instance, cleanup: Cleanup, *,
     register(record)
     netns.close()  # the restored tree keeps the namespace alive
     return RestoredTree(image, work, identity, record), lazy
+
+
+def _end_left_by_criu(instance: _Instance, children_before: set[int]) -> None:
+    """A restore that failed or was interrupted (SIGINT, `vsnap serve`'s SIGTERM) after CRIU started
+    and before its tree was handed to the cleanup: end what CRIU left. First CRIU itself, with
+    what it forked so far (an interrupt inside subprocess.Popen leaves it running, with no handle to
+    it), then the tree it restored, which is ours once CRIU is gone (we are its subreaper). Only
+    this restore's new children (host.instances.left_by_restore): a child of ours keeps its PID
+    until we reap it, and another restore in this process is told apart by its instance directory."""
+    for _ in ("criu", "the tree it left"):
+        for pid in sorted(our_children() - children_before):
+            if left_by_restore(pid, instance.id, instance.work):
+                kill_tree(pid)
 
 
 def _record_criu(instance: _Instance, criu_pid: int) -> None:

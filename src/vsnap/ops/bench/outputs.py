@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 import urllib.request
 from typing import Any, Callable
 
@@ -26,18 +27,31 @@ REQUEST_TIMEOUT_S = 300
 Completion = tuple[list[int], list[float]]  # token ids, the logprob of each
 
 
-def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
+def _post(url: str, body: dict[str, Any], *, timeout_s: float = REQUEST_TIMEOUT_S, phase: str = "bench",
+          failed: str = "RequestFailed") -> dict[str, Any]:
+    """POST ``body`` to the server's completions; its JSON answer (EngineError ``failed`` naming
+    how long it waited if it fails)."""
     request = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
                                      headers={"content-type": "application/json"})
+    started = time.monotonic()
     try:
-        with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as response:
-            return dict(json.load(response))
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            answer = json.load(response)
     except (OSError, ValueError) as exc:  # URLError and HTTPError are OSErrors
-        raise EngineError("bench", "RequestFailed", f"POST {url}/v1/completions failed: {exc}") from None
+        raise EngineError(phase, failed, f"POST {url}/v1/completions failed after "
+                                         f"{time.monotonic() - started:.1f} s: {exc}") from None
+    if not isinstance(answer, dict):
+        raise EngineError(phase, failed, f"POST {url}/v1/completions answered no JSON object")
+    return answer
 
 
-def first_token(url: str, model: str) -> None:
-    _post(url, {"model": model, "prompt": "Hello", "max_tokens": 1, "temperature": 0})["choices"][0]
+def first_token(url: str, model: str, *, timeout_s: float = REQUEST_TIMEOUT_S, phase: str = "bench") -> None:
+    """One greedy one-token completion through the served port: the first request a user would
+    send (the bench times a start to it; `vsnap serve` makes a cold start ready on it).
+    EngineError FirstCompletionFailed if it fails or answers no choice."""
+    body = {"model": model, "prompt": "Hello", "max_tokens": 1, "temperature": 0}
+    if not _post(url, body, timeout_s=timeout_s, phase=phase, failed="FirstCompletionFailed").get("choices"):
+        raise EngineError(phase, "FirstCompletionFailed", f"POST {url}/v1/completions answered no choice")
 
 
 def bench_prompts(n: int = BENCH_PROMPTS) -> list[str]:
