@@ -1,6 +1,8 @@
 """Clients cannot end a restored server (issue 26, item 3; CPU engine, real CRIU): a flood of idle
 connections from an unprivileged user, more than the tree has descriptors, leaves it serving,
-and its watchdog does not read "Too many open files" as "the owner is gone"."""
+and its watchdog does not read "Too many open files" as "the owner is gone"; a flood of requests
+that never finish their body neither locks clients out nor holds a connection past its deadline
+(hostile pass 14)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from tests.conftest import VSNAP, engine_processes
 from tests.integration.conftest import run_vsnap, write_spec
 from tests.integration.test_cpu_roundtrip import assert_serves_oracle
 from vsnap import read_manifest
+from vsnap.engine.adapters.cpu.connections import REQUEST_S
 from vsnap.protocol import control
 
 pytestmark = pytest.mark.criu
@@ -41,6 +44,48 @@ for _ in range(count):
         pass
 print(len(held), flush=True)
 sys.stdin.read()
+"""
+
+
+# The same as nobody, each connection a completion request whose body stops after its first bytes.
+# Once stdin says the test was answered, it drips a byte a second into every connection still open
+# (no drip may extend a request's deadline) and says how many remain open when the server has
+# closed them all, or when it gives up.
+HALF_BODY_SCRIPT = """
+import socket, sys, time
+port, count, give_up_s = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+head = (b"POST /v1/completions HTTP/1.1\\r\\nHost: x\\r\\nContent-Type: application/json\\r\\n"
+        b"Content-Length: 100\\r\\n\\r\\n{\\"prompt\\": \\"")
+held = []
+for _ in range(count):
+    try:
+        conn = socket.create_connection(("127.0.0.1", port), timeout=5)
+        conn.sendall(head)
+        held.append(conn)
+    except OSError:
+        pass
+print(len(held), flush=True)
+sys.stdin.readline()
+end = time.monotonic() + give_up_s
+while held and time.monotonic() < end:
+    time.sleep(1)
+    still = []
+    for conn in held:
+        conn.setblocking(False)
+        try:
+            if conn.recv(1) == b"":
+                continue
+        except BlockingIOError:
+            pass
+        except OSError:
+            continue
+        try:
+            conn.send(b"a")
+            still.append(conn)
+        except OSError:
+            pass
+    held = still
+print(len(held), flush=True)
 """
 
 
@@ -95,6 +140,41 @@ def test_a_flood_of_idle_connections_beyond_the_fd_limit_leaves_the_restored_ser
         assert_serves_oracle(url, manifest.oracle, manifest.launch.oracle_top_k)
         log = (Path(f"{control_dir}.instances") / instance / control.ENGINE_LOG).read_text()
         assert "shutting down" not in log, log[-2000:]
+    finally:
+        if flood is not None:
+            flood.kill()
+            flood.wait()
+        run_vsnap("stop", instance)
+    assert engine_processes(control_dir) == []
+
+
+def test_a_flood_of_unfinished_bodies_leaves_the_server_answering_and_is_closed_by_its_deadline(image: Path) -> None:
+    """Hostile pass 14: requests that sent their headers and part of their body counted as busy
+    forever, so that once they filled the connection cap the server closed every new client."""
+    manifest = read_manifest(image)
+    control_dir = Path(manifest.control_dir)
+    waiting = json.loads(run_vsnap("restore", str(image), "--standby", "--detach", "--json").stdout)
+    instance, pid = waiting["instance"], waiting["pid"]
+    flood = None
+    try:
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (TREE_NOFILE, TREE_NOFILE))  # a cap below the flood
+        served = run_vsnap("activate", instance, "--port", "0", "--json")
+        assert served.returncode == 0, served.stderr
+        url = json.loads(served.stdout)["url"]
+        give_up_s = REQUEST_S * 6  # far past the deadline: only so that a failing test ends
+        flood = subprocess.Popen(["/usr/bin/python3", "-c", HALF_BODY_SCRIPT, url.rsplit(":", 1)[1], str(FLOOD),
+                                  str(give_up_s)], user=NOBODY, cwd="/", stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True)
+        assert flood.stdout is not None and flood.stdin is not None
+        assert int(flood.stdout.readline()) > TREE_NOFILE  # more than the server may hold at once
+        assert_serves_oracle(url, manifest.oracle, manifest.launch.oracle_top_k)
+        flood.stdin.write("answered\n")
+        flood.stdin.flush()
+        still_open = flood.stdout.readline()
+        assert still_open.strip() == "0", "the server kept connections whose bodies never came"
+        assert get(url, "/health") == 200
+        log = (Path(f"{control_dir}.instances") / instance / control.ENGINE_LOG).read_text()
+        assert "shutting down" not in log and "Traceback" not in log, log[-2000:]
     finally:
         if flood is not None:
             flood.kill()

@@ -47,8 +47,9 @@ def standby_record(instance_id: str) -> InstanceRecord:
 def activate_instance(instance_id: str, *, host: str = "127.0.0.1", port: int = 8000, gpu: str | None = None,
                       on_event: ProgressCallback | None = None) -> RestoredServer:
     """Serve the standby ``instance_id``: CUDA restore onto ``gpu`` (as restore_image chooses it),
-    weights from its image, the oracle, then host:port. Its owner stays whoever restored it (a
-    foreground `vsnap restore --standby` still ends it on Ctrl-C; a detached one runs on).
+    weights from its image, the oracle, then host:port. Its owner stays whoever restored it while
+    that vsnap lives (a foreground `vsnap restore --standby` still ends it on Ctrl-C; a detached
+    one runs on); an owner gone by the time it serves leaves it detached (owner_takeover).
 
     The image must be the one the standby was restored from (same manifest, files unchanged, the
     trust model again): it is read again for the weights, under its readers' lock. On any
@@ -69,6 +70,7 @@ def activate_instance(instance_id: str, *, host: str = "127.0.0.1", port: int = 
             work, image_dir = Path(record.instance_dir), Path(record.image)
             held.enter_context(activation_lock(work, instance_id))
             record = standby_record(instance_id)  # again, under the lock: another activation may have won
+            owner_beat = owner_takeover(work, identity, cleanup)
             image = reading.enter_context(open_image(image_dir))  # the weights are read again
             manifest = image.manifest
             if not image.is_capture_of(record.image_digest):
@@ -97,6 +99,8 @@ def activate_instance(instance_id: str, *, host: str = "127.0.0.1", port: int = 
         check_stop(work)
         server = bring_up(RestoredTree(image, work, identity, activating), host, port, target, timings)
         heartbeat.detach()  # it serves, and is recorded so: the tree is its owner's again
+        if owner_beat is not None:
+            hand_back(owner_beat, record)
     server.timings = dict(timings.seconds)
     server.recovery.update(clock.seconds)
     return server
@@ -112,6 +116,30 @@ def activator_heartbeat(work: Path, identity: ProcessIdentity, cleanup: Cleanup)
     heartbeat.start()
     cleanup.on_failure(heartbeat.stop)  # newest first: it stops before the tree is ended
     return heartbeat
+
+
+def owner_takeover(work: Path, identity: ProcessIdentity, cleanup: Cleanup) -> control.OwnerHeartbeat | None:
+    """Beat owner.json beside the standby's owner from the start of the activation, unless the
+    standby was handed over (detached): a foreground standby whose owner died (SIGKILL, a closed
+    terminal) ends itself once owner.json has been silent for OWNER_TIMEOUT_S, and it used to do so
+    seconds after its activation had reported that it serves (hostile pass 14). hand_back decides
+    who owns it once it serves; on failure the beat stops, and a tree whose owner is gone ends."""
+    owner = control.read_message(work, control.OWNER, control.Owner)
+    if owner is not None and owner.detached:
+        return None
+    heartbeat = control.OwnerHeartbeat(work, while_alive=lambda: is_same(identity)).start()
+    cleanup.on_failure(heartbeat.stop)
+    return heartbeat
+
+
+def hand_back(owner_beat: control.OwnerHeartbeat, record: InstanceRecord) -> None:
+    """The tree serves: back to the vsnap that restored it while that one lives (it beats
+    owner.json too, and its Ctrl-C or death still ends the tree), detached when it is gone: an
+    activated instance keeps serving, as one activated from a detached standby does."""
+    if is_same(record.owner.identity):
+        owner_beat.stop()
+    else:
+        owner_beat.detach()
 
 
 @contextmanager

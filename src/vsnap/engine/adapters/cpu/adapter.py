@@ -127,6 +127,7 @@ class CpuAdapter(EngineAdapter):
         # the descriptor limit (connections.py: the idlest goes first), not by uvicorn's
         # limit_concurrency: it counts connections that never sent a request, so a few hundred idle
         # clients would make the server answer 503 to everyone (found by the second hostile pass).
+        # A request's first byte, headers and body have deadlines there too (uvicorn has none).
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=5, timeout_keep_alive=5, **server_options())
         await uvicorn.Server(config).serve(sockets=[sock])

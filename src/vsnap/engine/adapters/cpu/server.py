@@ -16,7 +16,9 @@ that cancels the response; a plain request has a task waiting for it beside the 
 
 Bounded input: a POST body must say its length (411 otherwise) and hold at most MAX_BODY_BYTES
 (413), checked before a byte is read; a body that does not validate gets 400 in OpenAI's shape,
-naming the fields but never echoing their values (which may be huge, NaN or not encodable).
+naming the fields but never echoing their values (which may be huge, NaN or not encodable). The
+headers and the body must arrive within a deadline (connections.py, REQUEST_S from the request's
+first byte): a client that stops halfway, or drips, has its connection closed.
 
 /metrics (Prometheus text) shows the scheduler's counters: requests running and waiting,
 finished, cancelled, rejected, failed, worker steps and generated tokens.
