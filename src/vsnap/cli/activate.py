@@ -13,7 +13,8 @@ from .restore import serving_document, serving_line
 
 @app.command(help="Serve a standby (`vsnap restore IMAGE --standby`): restore its CUDA state onto --gpu, bring "
                   "its weights back, prove it with the oracle, then serve on --host/--port. Returns once it "
-                  "serves; the instance keeps the owner the standby had while that vsnap runs (else it is left detached). A failed activation ends the standby.")
+                  "serves; the instance keeps the owner the standby had while that vsnap runs (else it is "
+                  "left detached). A failed activation ends the standby.")
 @error_boundary
 def activate(
     instance: str = typer.Argument(..., help="the standby's instance id (vsnap ps)"),
