@@ -37,15 +37,16 @@ setup: system criu venv
 
 system:
 	@command -v apt-get >/dev/null || { echo "make setup needs apt-get (Debian/Ubuntu)"; exit 1; }
-	@if ! dpkg -s python3-venv util-linux curl iproute2 docker-registry python3-yaml python3-protobuf iptables podman >/dev/null 2>&1; then \
+	@if ! dpkg -s python3-venv util-linux curl iproute2 docker-registry python3-yaml python3-protobuf iptables podman catatonit >/dev/null 2>&1; then \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
 	    python3 python3-venv python3-pip util-linux curl iproute2 ca-certificates docker-registry \
-	    python3-yaml python3-protobuf iptables podman >/dev/null; \
+	    python3-yaml python3-protobuf iptables podman catatonit >/dev/null; \
 	  systemctl disable --now docker-registry.service >/dev/null 2>&1 || true; fi
 # docker-registry: the tests start their own on 127.0.0.1 (tests/integration/test_registry.py), so
 # the service Debian enables on :5000 is switched off. python3-yaml, python3-protobuf (zdtm.py and
 # pycriu) and iptables (criu's network lock in zdtm's ns flavor): make test-criu. podman: the pod's
-# privileges in a real container runtime (tests/integration/test_container_privileges.py).
+# privileges in a real container runtime (tests/integration/test_container_privileges.py); catatonit:
+# the pause process of the pods `podman kube play` makes of deploy/kubernetes/ (test_container_manifests.py).
 
 criu:
 	bash scripts/criu/install.sh
