@@ -168,3 +168,12 @@ def test_every_criu_run_gets_the_flag_and_the_clean_environment(tmp_path: Path, 
     for argv, env in runs:
         assert "--no-default-config" in argv, argv
         assert env is not None and "CRIU_CONFIG_FILE" not in env, argv
+
+
+def test_a_low_open_files_limit_is_named_not_taken_for_a_missing_privilege() -> None:
+    """Hostile pass 14: under `ulimit -n 64` CRIU's restore fails choosing its service descriptors,
+    and its log also says "Operation not permitted" (it cannot raise RLIMIT_NOFILE)."""
+    excerpt = ("Error (criu/util.c:1534): rlimit: Can't setup RLIMIT_NOFILE for self: Operation not permitted\n"
+               "Error (criu/util.c:620): sfd: Can't chose service_fd_base: 0 45")
+    assert hint_for(excerpt).startswith("the open-files limit is too low for CRIU")
+    assert hint_for("Error (criu/cr-restore.c:1): Operation not permitted") == "CRIU needs root (CAP_SYS_ADMIN)"

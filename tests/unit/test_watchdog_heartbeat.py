@@ -108,7 +108,7 @@ def test_heartbeats_beat_from_their_thread_without_fsync(ctl: Path, monkeypatch:
 def test_a_tree_is_launched_with_a_sane_descriptor_limit() -> None:
     """An image keeps the limits its tree was launched with: `ulimit -n 64` must not reach it."""
     script = ("import resource; resource.setrlimit(resource.RLIMIT_NOFILE, (64, 1024));"
-              "from vsnap.ops.tree import raise_fd_limit; print(*raise_fd_limit(), "
+              "from vsnap.host.limits import raise_fd_limit; print(*raise_fd_limit(), "
               "*resource.getrlimit(resource.RLIMIT_NOFILE))")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
     soft, hard, soft_now, hard_now = map(int, out.split())

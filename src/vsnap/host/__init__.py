@@ -4,7 +4,8 @@
                  place it runs)
     cuda         the CUDA checkpoint driver API, GPU memory from NVML (pynvml, optional); gpu_early
                  starts the driver early on a thread
-    proctree     launching a tree in its own namespaces, identifying and killing its processes
+    proctree     launching a tree in its own namespaces, identifying and killing its processes;
+                 limits: the descriptor limit raised before a tree or CRIU runs
     netns, mounts, shm     namespaces, what is mounted where, each tree's /dev/shm
     trust, paths           who may own what vsnap reads; which directories may be used
     fs           renameat2: the exchange that publishes an image, the no-replace rename of `vsnap rm`

@@ -23,6 +23,7 @@ from vsnap.host.events import ProgressCallback, Timings, failpoint
 from vsnap.host.facts import check_criu_this_boot, check_root
 from vsnap.host.privileges import check_privileges
 from vsnap.host.http import check_port_free
+from vsnap.host.limits import raise_fd_limit
 from vsnap.host.instances import (
     InstanceRecord,
     ProcessRef,
@@ -157,6 +158,7 @@ def restore_image(image_dir: Path, *, host: str = "127.0.0.1", port: int = 8000,
             host_warnings += checked.warnings  # differences that do not stop a restore
         prune_dead_runs()
         with timings.phase("prepare host"):
+            raise_fd_limit()  # CRIU needs room for its own descriptors, whatever the calling shell had
             instance = _prepare_host(image, cleanup, standby=standby)
         restored: list[ProcessIdentity] = []
         heartbeat = control.OwnerHeartbeat(instance.work, while_alive=lambda: not restored or is_same(restored[0]))

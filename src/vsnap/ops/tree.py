@@ -13,7 +13,6 @@ takes its listener like a restored one.
 from __future__ import annotations
 
 import os
-import resource
 import shutil
 import time
 from contextlib import AbstractContextManager, nullcontext
@@ -25,6 +24,7 @@ from vsnap.host.cleanup import Cleanup
 from vsnap.host.events import Timings
 from vsnap.host.facts import vllm_device
 from vsnap.host.instances import new_instance_dir
+from vsnap.host.limits import raise_fd_limit
 from vsnap.host.proctree import LaunchedTree, kill_tree, launch_tree
 from vsnap.host.shm import instance_shm_dir, remove_instance_shm
 from vsnap.host.trust import require_trusted_model
@@ -39,11 +39,6 @@ from .bringup import wait_status
 DEFAULT_MODEL_ROOT = Path("/var/lib/vsnap/models")
 CPU_MODEL_NAME = "cpu-tiny-v1"
 VLLM_CACHE_ROOT = "/var/cache/vsnap/vllm"
-# The descriptor limit a tree is launched with, where the host allows it (raising the hard limit
-# takes CAP_SYS_RESOURCE; without it the soft limit goes up to the hard one). CRIU restores a
-# tree's limits as captured, so this is what every restore of the image has.
-TREE_NOFILE = 65536
-MAX_TREE_NOFILE = 1 << 20  # a hard limit of 2^30 (some hosts) would make fd-table walks slow
 # the directory that holds the vsnap package, put first on the tree's PYTHONPATH (src/ in a checkout)
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 
@@ -173,26 +168,6 @@ def boot_tree(control_dir: Path, instance: TreeInstance, launch: LaunchConfig, c
         else:
             ready = wait_ready(tree, work, launch.timeout_s)
     return BootedTree(tree, instance, tree_env, launched_at, ready)
-
-
-def raise_fd_limit(want: int = TREE_NOFILE) -> tuple[int, int]:
-    """Give this process, and so the tree it launches next, a sane RLIMIT_NOFILE, whatever the
-    calling shell had: at least ``want`` where the host allows it, else the hard limit. An image
-    captured under `ulimit -n 64` would keep 64 in every restore, and a hundred idle clients
-    would use up its server's descriptors. Returns the (soft, hard) limits now in force."""
-    infinite = resource.RLIM_INFINITY  # never for RLIMIT_NOFILE on Linux, but never lowered either
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard != infinite and hard < want:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (want, want))
-            return want, want
-        except (OSError, ValueError):
-            pass  # no CAP_SYS_RESOURCE (or fs.nr_open is lower): the hard limit stays
-    ceiling = MAX_TREE_NOFILE if hard == infinite else min(hard, MAX_TREE_NOFILE)
-    target = soft if soft == infinite else max(soft, ceiling)
-    if target != soft:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-    return target, hard
 
 
 def _untimed(name: str) -> AbstractContextManager[None]:

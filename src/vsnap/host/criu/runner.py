@@ -40,6 +40,10 @@ HINTS: tuple[tuple[str, str], ...] = (
     (r"[Nn]o such file or directory", "a file the tree had open is gone; restore on the host that has it"),
     (r"File .* has bad (size|mode)", "a file the tree had open changed (size or mode) since capture; put it back or capture again"),
     (r"Can't bind|Address already in use", "the port or socket path is taken by another process"),
+    # before the permission one: with a low limit CRIU's log also says "Operation not permitted"
+    (r"service_fd_base|Too many open files", "the open-files limit is too low for CRIU: raise it (`ulimit -n "
+                                             "65536`, or the container's nofile limit); vsnap raises its soft "
+                                             "limit to the hard one itself"),
     (r"Permission denied|Operation not permitted", "CRIU needs root (CAP_SYS_ADMIN)"),
     (r"Can't dump.*(mount|mnt)|unsupported mount", "a mount of the tree is not declared external; see the dump log"),
 )
