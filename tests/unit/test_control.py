@@ -193,3 +193,16 @@ def test_an_error_with_unrepresentable_attributes_is_still_reported(ctl: Path) -
     report = control.read_message(ctl, control.ERROR, control.ErrorReport)
     assert (report.phase, report.type, report.message) == ("recover", "RuntimeError", "CUDA out of memory")
     assert report.detail == {"seconds": 1.5, "device": "cuda:0", "gpu": "0"}
+
+
+def test_a_failed_atomic_write_names_its_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hostile pass 14: a full disk under the runtime directory said only "No space left on device"."""
+    import errno
+
+    def full(fd: int, data: object) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(control.os, "write", full)
+    with pytest.raises(OSError) as failed:
+        control.write_atomic(tmp_path, "record.json", b"{}")
+    assert failed.value.filename == str(tmp_path / "record.json") and failed.value.errno == errno.ENOSPC
+    assert list(tmp_path.iterdir()) == []  # no temporary file left

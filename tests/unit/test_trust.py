@@ -105,10 +105,13 @@ def test_force_replaces_only_a_vsnap_image_and_never_a_link(tmp_path: Path) -> N
     ordinary = tmp_path / "data"
     ordinary.mkdir()
     (ordinary / "precious").write_text("keep me")
-    with pytest.raises(ImageError, match="already exists"):
-        require_replaceable(ordinary, force=False)
-    with pytest.raises(ImageError, match=r"is not a vsnap image .*--force replaces only images"):
-        require_replaceable(ordinary, force=True)
+    for force in (False, True):  # without --force too: the hint must not send the user to --force
+        with pytest.raises(ImageError, match=r"is not a vsnap image .*--force replaces only images") as refused:
+            require_replaceable(ordinary, force=force)
+        assert "--force" not in refused.value.hint and "capture into another --image" in refused.value.hint
+    with pytest.raises(ImageError) as refused:
+        require_replaceable(ordinary, force=True, elsewhere="pull into another --to")
+    assert refused.value.hint.endswith("or pull into another --to")
     assert (ordinary / "precious").read_text() == "keep me"
     link = tmp_path / "link"
     link.symlink_to(make_image(tmp_path))

@@ -89,8 +89,9 @@ def check_parent(image_dir: Path) -> None:
     require_trusted_ancestors(image_dir)
 
 
-def require_replaceable(image_dir: Path, force: bool) -> None:
-    """What may stand at ``image_dir`` before a capture: nothing, or (with --force) a vsnap image.
+def require_replaceable(image_dir: Path, force: bool, elsewhere: str = "capture into another --image") -> None:
+    """What may stand at ``image_dir`` before a capture or a pull: nothing, or (with --force) a
+    vsnap image; ``elsewhere`` says how to choose another path (the command's option).
 
     Checked before the boot and again at publish: never a link, never a directory without a
     vsnap manifest (a capture with --force must not delete an ordinary directory)."""
@@ -100,19 +101,19 @@ def require_replaceable(image_dir: Path, force: bool) -> None:
         return
     if stat.S_ISLNK(st.st_mode):
         raise ImageUntrusted(image_dir, "is a symlink; vsnap never replaces or follows one",
-                             hint="remove the link, or capture into another --image")
+                             hint=f"remove the link, or {elsewhere}")
     if not stat.S_ISDIR(st.st_mode):
         raise ImageError(f"{image_dir} exists and is not a directory; refusing to replace it",
-                         hint="remove it, or capture into another --image")
+                         hint=f"remove it, or {elsewhere}")
+    if not is_vsnap_image(image_dir):  # before --force is mentioned: it would not replace this either
+        raise ImageError(f"{image_dir} is not a vsnap image (no vsnap manifest.json); --force replaces only images",
+                         hint=f"remove it yourself if it is yours to delete, or {elsewhere}")
     if not force:
         raise ImageError(f"{image_dir} already exists", hint="pass --force to replace it once the new one is complete")
-    if not is_vsnap_image(image_dir):
-        raise ImageError(f"{image_dir} is not a vsnap image (no vsnap manifest.json); --force replaces only images",
-                         hint="remove it yourself if it is yours to delete, or capture into another --image")
     if st.st_uid != os.geteuid() or st.st_mode & 0o022:  # vsnap's images are root's, 0700
         raise ImageUntrusted(image_dir, f"is owned by uid {st.st_uid} (mode {stat.S_IMODE(st.st_mode):04o}); "
                                         "--force replaces only root's own images",
-                             hint="remove it yourself if it is yours to delete, or capture into another --image")
+                             hint=f"remove it yourself if it is yours to delete, or {elsewhere}")
 
 
 def is_vsnap_image(directory: Path) -> bool:

@@ -199,6 +199,15 @@ def write_atomic(directory: Path, name: str, data: bytes, *, durable: bool = Tru
     """Write ``directory/name`` atomically, never following a symlink. ``durable=False`` skips
     the fsyncs (the rename is atomic for readers either way): for heartbeats, which say something
     only while both sides run, and which a slow disk must not delay past a watcher's timeout."""
+    try:
+        _write_atomic(directory, name, data, durable)
+    except OSError as exc:
+        if exc.filename is None:  # a write or fsync through a descriptor names no file: name it
+            raise OSError(exc.errno, exc.strerror, str(directory / name)) from exc
+        raise
+
+
+def _write_atomic(directory: Path, name: str, data: bytes, durable: bool) -> None:
     dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
         tmp = f".{name}.{os.getpid()}.tmp"
@@ -213,6 +222,9 @@ def write_atomic(directory: Path, name: str, data: bytes, *, durable: bool = Tru
                 view = view[os.write(fd, view):]
             if durable:
                 os.fsync(fd)
+        except OSError:  # a full disk, say: leave no temp file behind
+            os.unlink(tmp, dir_fd=dir_fd)
+            raise
         finally:
             os.close(fd)
         try:
