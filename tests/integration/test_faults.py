@@ -155,9 +155,12 @@ def test_criu_failing_mid_restore(captured: CapturedImage, failing_criu: Path) -
 
 
 def test_disk_full_while_writing_the_image(tmp_path: Path) -> None:
+    """The check once the tree booted: 200 MB pass the preflight's lower bound (ops/resources,
+    0.13 GB for the built-in engine; tests/integration/test_resources_refused.py refuses there) and
+    are less than the booted tree's memory (about 0.33 GB)."""
     small = tmp_path / "small"
     small.mkdir(mode=0o700)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m,mode=0700", "tmpfs", str(small)], check=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200m,mode=0700", "tmpfs", str(small)], check=True)
     try:
         spec = write_spec(tmp_path, "full")
         text = spec.read_text().replace(f"image: {tmp_path}/images/full", f"image: {small}/full")

@@ -32,7 +32,7 @@ def test_a_capture_onto_a_full_disk_is_refused_before_the_boot(tmp_path: Path, s
     result = run_vsnap("capture", str(spec), "--image", str(small_disk / "cpu-small"))
     assert result.returncode == 3, result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and errors[0].startswith("error: not enough disk to capture: 0.3 GB needed"), result.stderr
+    assert len(errors) == 1 and errors[0].startswith("error: not enough disk to capture: 0.1 GB needed"), result.stderr
     assert f"on the disk holding {small_disk}" in errors[0]
     assert engine_processes(tmp_path / "control" / "cpu-small") == []  # nothing was booted
     assert list(small_disk.iterdir()) == []  # nothing was written

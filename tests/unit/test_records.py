@@ -44,7 +44,7 @@ class Outer(Record):
 
 # Fields added since, with the value a record written without them reads as (issue 26: the CRIU
 # process of a restore in flight).
-ADDED_SINCE: dict[str, dict[str, Any]] = {"instance": {"criu": None, "timings": {}}}
+ADDED_SINCE: dict[str, dict[str, Any]] = {"instance": {"criu": None, "timings": {}, "metrics_dir": ""}}
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
