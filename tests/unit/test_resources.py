@@ -51,7 +51,16 @@ def test_weights_are_the_shards_the_index_names_not_other_copies(tmp_path: Path)
     (directory / "model.safetensors.index.json").unlink()
     assert resources.weights_bytes(directory) == 10000  # every top-level file, none below
     (directory / "link.safetensors").symlink_to(directory / "consolidated.safetensors")
-    assert resources.weights_bytes(directory) == 10000  # links are not followed
+    assert resources.weights_bytes(directory) == 10000  # a second name of one file counts once
+    blobs = tmp_path / "blobs"  # a Hugging Face snapshot: every file a link into blobs/
+    blobs.mkdir()
+    hub = tmp_path / "snapshot"
+    hub.mkdir()
+    for name, size in (("a", 700), ("b", 300)):
+        with open(blobs / name, "wb") as f:
+            f.truncate(size)
+        (hub / f"model-{name}.safetensors").symlink_to(blobs / name)
+    assert resources.weights_bytes(hub) == 1000
     assert resources.weights_bytes(None) == 0
 
 
@@ -79,12 +88,19 @@ def test_a_gpu_capture_needs_disk_for_the_weights_file_and_room_on_the_gpu(
         resources.require(list(needs.values()), "capture")
     assert refused.value.message.startswith("not enough GPU memory to capture: 16.0 GB needed (the model's weights)")
     assert "gpu_memory_utilization 0.1 of GPU 0 (NVIDIA H200)" in refused.value.message
-    # per rank with tensor parallelism, halved by FP8 at load
-    needs = resources.capture_needs(spec(tmp_path, gpu_memory_utilization=0.1, tensor_parallel_size=2,
-                                         quantization="fp8"), directory, tmp_path / "img", [h200, h200],
-                                    meminfo(tmp_path, 24_000_000))
+    # per rank with tensor parallelism (spelled as vLLM's flags are, too), halved by FP8 at load, on
+    # the GPU and in the weights file
+    needs = resources.capture_needs(spec(tmp_path, **{"gpu-memory-utilization": 0.1, "tensor-parallel-size": 2,
+                                                      "quantization": "fp8"}),
+                                    directory, tmp_path / "img", [h200, h200], meminfo(tmp_path, 24_000_000))
     assert [n.need for n in needs if n.resource == "GPU memory"] == [4 * GB, 4 * GB]
     assert all(n.ok for n in needs if n.resource == "GPU memory")
+    assert [n.need for n in needs if n.resource == "disk"] == [8 * GB + resources.TREE_FLOOR["vllm-cuda"]]
+    # a float32 checkpoint is loaded in 16 bits unless the spec asks for float32
+    (directory / "config.json").write_text(json.dumps({"torch_dtype": "float32"}))
+    assert resources.loaded_share(spec(tmp_path), directory) == 0.5
+    assert resources.loaded_share(spec(tmp_path, dtype="float32"), directory) == 1.0
+    (directory / "config.json").write_text("{}")
     # weights by reference: the weights file may hold none of the model's bytes
     monkeypatch.setenv(resources.BY_REFERENCE_ENV, "1")
     needs = resources.capture_needs(spec(tmp_path), directory, tmp_path / "img", [h200], meminfo(tmp_path, 24_000_000))

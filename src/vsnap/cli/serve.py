@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import time
@@ -75,6 +76,12 @@ def serve(
         _serve(spec, host, port, gpu, capture, ready_file)
     except _Terminated:
         emit("stopped", reason="SIGTERM")
+        # Everything serve made is released by now. Exit here, not through the interpreter's exit:
+        # that would wait for the threads an interrupted verify phase left hashing the image (no
+        # deadline: minutes for a large image), past the pod's grace period.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def _serve(spec: Path, host: str, port: int, gpu: str | None, capture: bool, ready_file: Path | None) -> None:

@@ -19,8 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from vsnap.engine.adapters.vllm.rules import tensor_parallel_size
+from vsnap.engine.adapters.vllm.serve_args import given
 from vsnap.host import cuda as cuda_driver
-from vsnap.host.facts import visible_gpus, vllm_device
+from vsnap.host.facts import vllm_device
 from vsnap.protocol.errors import HostNotReady
 
 if TYPE_CHECKING:  # not at run time: the restore path loads neither the spec's schema nor yaml
@@ -91,27 +93,44 @@ def weights_bytes(model_dir: Path | None) -> int:
     except (OSError, ValueError, AttributeError):
         pass
     paths = [model_dir / name for name in names if "/" not in name] if names else model_dir.glob("*.safetensors")
-    total = 0
+    total, seen = 0, set()
     for path in paths:
         try:
-            st = path.lstat()
+            st = path.stat()  # a Hugging Face snapshot's files are links into blobs/ (the trust model checks them)
         except OSError:
             continue
-        if stat.S_ISREG(st.st_mode):
+        if stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) not in seen:
+            seen.add((st.st_dev, st.st_ino))
             total += st.st_size
     return total
+
+
+def loaded_share(spec: ModelSpec, model_dir: Path | None) -> float:
+    """The weights' loaded bytes per stored byte: 1/2 for FP8 quantized at load, 1/2 for a float32
+    checkpoint that vLLM loads in 16 bits (dtype auto, or a 16-bit dtype), else 1."""
+    if quantized_at_load(spec, model_dir):
+        return 0.5
+    config = _config(model_dir)
+    dtype = str(given(spec.serve, "dtype")[1] or "auto").lower()
+    if config.get("torch_dtype") in ("float32", "float") and dtype not in ("float32", "float"):
+        return 0.5
+    return 1.0
+
+
+def _config(model_dir: Path | None) -> dict[str, Any]:
+    try:
+        config = json.loads((model_dir / "config.json").read_text()) if model_dir is not None else {}
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
 
 
 def quantized_at_load(spec: ModelSpec, model_dir: Path | None) -> bool:
     """FP8 quantization asked of vLLM for a checkpoint that is not quantized already: one byte per
     weight on the GPU instead of two."""
-    if model_dir is None or str(spec.serve.get("quantization", "")).lower() != "fp8":
+    if model_dir is None or str(given(spec.serve, "quantization")[1] or "").lower() != "fp8":
         return False
-    try:
-        config: Any = json.loads((model_dir / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return not (isinstance(config, dict) and config.get("quantization_config"))
+    return not _config(model_dir).get("quantization_config")
 
 
 def capture_needs(spec: ModelSpec, model_dir: Path | None, image_dir: Path, gpus: list[dict[str, Any]] | None = None,
@@ -121,7 +140,7 @@ def capture_needs(spec: ModelSpec, model_dir: Path | None, image_dir: Path, gpus
     gives them)."""
     where = "cuda" if spec.engine == "vllm" and vllm_device() == "cuda" else "cpu"
     floor = TREE_FLOOR["cpu" if spec.engine == "cpu" else f"vllm-{where}"]
-    weights = weights_bytes(model_dir)
+    weights = int(weights_bytes(model_dir) * loaded_share(spec, model_dir))  # as loaded: the weights file's size
     free, disk = free_disk(image_dir)
     if where == "cuda" and (spec.snapshot.weights == "model" or os.environ.get(BY_REFERENCE_ENV) == "1"):
         disk_need, memory_need = floor, floor  # no weights file, or one that may hold none of the model's bytes
@@ -140,11 +159,14 @@ def capture_needs(spec: ModelSpec, model_dir: Path | None, image_dir: Path, gpus
     needs = [Need("disk", disk_need, free, f"on the disk holding {disk}", why_disk),
              Need("host memory", memory_need, mem_available(meminfo), "on this host", why_memory)]
     if where == "cuda" and gpus:
-        tp = max(int(spec.serve.get("tensor_parallel_size", 1) or 1), 1)
-        fp8 = quantized_at_load(spec, model_dir)
-        per_rank = weights // tp // (2 if fp8 else 1)
-        share = float(spec.serve.get("gpu_memory_utilization", 0.9))
-        why = "the model's weights" + (" per rank" if tp > 1 else "") + (", FP8 at load" if fp8 else "")
+        tp = max(tensor_parallel_size(dict(spec.serve)), 1)
+        per_rank = weights // tp
+        try:
+            share = float(given(spec.serve, "gpu_memory_utilization")[1] or 0.9)
+        except (TypeError, ValueError):
+            share = 0.9  # vLLM's default; the rules refuse a value vLLM would not take
+        why = ("the model's weights" + (" per rank" if tp > 1 else "")
+               + (", FP8 at load" if quantized_at_load(spec, model_dir) else ""))
         for gpu in gpus[:tp]:
             needs.append(Need("GPU memory", per_rank, int(share * int(gpu["memory_bytes"])),
                               f"within gpu_memory_utilization {share:g} of GPU {gpu['index']} ({gpu['name']})", why))
@@ -152,13 +174,11 @@ def capture_needs(spec: ModelSpec, model_dir: Path | None, image_dir: Path, gpus
 
 
 def capture_gpus(spec: ModelSpec) -> list[dict[str, Any]]:
-    """The GPUs a capture of ``spec`` will take (those CUDA_VISIBLE_DEVICES names, else all, in
-    order); none off the GPU."""
+    """The GPUs a capture of ``spec`` will take (the driver lists only those CUDA_VISIBLE_DEVICES
+    names, renumbered from 0: capture.recorded_visible); none off the GPU."""
     if spec.engine != "vllm" or vllm_device() != "cuda":
         return []
-    gpus = cuda_driver.gpu_facts()[2]
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    return visible_gpus(gpus, visible) if visible else gpus
+    return cuda_driver.gpu_facts()[2]  # under this process's CUDA_VISIBLE_DEVICES: those it names, in its order
 
 
 def restore_needs(manifest: Manifest, meminfo: Path = MEMINFO) -> list[Need]:

@@ -325,10 +325,16 @@ def _end_left_by_criu(instance: _Instance, children_before: set[int]) -> None:
     it), then the tree it restored, which is ours once CRIU is gone (we are its subreaper). Only
     this restore's new children (host.instances.left_by_restore): a child of ours keeps its PID
     until we reap it, and another restore in this process is told apart by its instance directory."""
+    failures: list[Exception] = []
     for _ in ("criu", "the tree it left"):
         for pid in sorted(our_children() - children_before):
             if left_by_restore(pid, instance.id, instance.work):
-                kill_tree(pid)
+                try:
+                    kill_tree(pid)
+                except Exception as exc:  # one that outlived SIGKILL: still signal the others, then say so
+                    failures.append(exc)
+    if failures:
+        raise failures[0]
 
 
 def _record_criu(instance: _Instance, criu_pid: int) -> None:

@@ -222,7 +222,7 @@ def _write_atomic(directory: Path, name: str, data: bytes, durable: bool) -> Non
                 view = view[os.write(fd, view):]
             if durable:
                 os.fsync(fd)
-        except OSError:  # a full disk, say: leave no temp file behind
+        except BaseException:  # a full disk, or a stop landing mid-write: leave no temp file behind
             os.unlink(tmp, dir_fd=dir_fd)
             raise
         finally:

@@ -107,7 +107,9 @@ class WeightsFileExtension(TensorParallelExtension):
         from .references import plan_file_name
 
         rank_file = file_name(self._vsnap_rank())
-        with open(Path(directory) / plan_file_name(self._vsnap_rank()), "w") as f:
+        fd = os.open(Path(directory) / plan_file_name(self._vsnap_rank()),
+                     os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with open(fd, "w") as f:  # never through a link, as the rank file's refresh
             f.write(plan.to_json(rank_file))
             f.flush()
             os.fsync(f.fileno())
