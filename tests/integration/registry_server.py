@@ -4,6 +4,7 @@ distribution registry 2.8), filesystem storage in a directory of the caller's, h
 
 from __future__ import annotations
 
+import re
 import shutil
 import signal
 import socket
@@ -11,9 +12,20 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 DOCKER_REGISTRY = shutil.which("docker-registry") or "/usr/bin/docker-registry"
+# distribution's access log (gorilla/handlers' combined format): "GET /v2/... HTTP/1.1" 206 67108864
+ACCESS_LINE = re.compile(r'"(?P<method>[A-Z]+) (?P<path>\S+) HTTP/[0-9.]+" (?P<status>[0-9]{3}) (?P<bytes>[0-9]+|-)')
+
+
+@dataclass(frozen=True)
+class AccessLine:
+    method: str
+    path: str
+    status: int
+    bytes: int
 
 
 def free_port() -> int:
@@ -25,10 +37,11 @@ def free_port() -> int:
 class LocalRegistry:
     """``with LocalRegistry(root) as registry:`` serves ``registry.address`` until the block ends."""
 
-    def __init__(self, root: Path, *, htpasswd: Path | None = None) -> None:
+    def __init__(self, root: Path, *, htpasswd: Path | None = None, access_log: bool = False) -> None:
         self.root = root
         self.storage = root / "storage"
         self.htpasswd = htpasswd
+        self.access_log = access_log  # each request's line (combined log format) in registry.log: ``requests()``
         self.process: subprocess.Popen[bytes] | None = None
         self.address = ""
 
@@ -39,7 +52,8 @@ class LocalRegistry:
             config = self.root / "config.yml"
             auth = (f"auth:\n  htpasswd:\n    realm: vsnap-test\n    path: {self.htpasswd}\n"
                     if self.htpasswd else "")
-            config.write_text(f"version: 0.1\nlog:\n  level: warn\n  accesslog:\n    disabled: true\n"
+            config.write_text(f"version: 0.1\nlog:\n  level: warn\n  accesslog:\n"
+                              f"    disabled: {'false' if self.access_log else 'true'}\n"
                               f"storage:\n  filesystem:\n    rootdirectory: {self.storage}\n"
                               f"http:\n  addr: 127.0.0.1:{port}\n{auth}")
             log = open(self.root / "registry.log", "ab")
@@ -79,6 +93,12 @@ class LocalRegistry:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+    def requests(self) -> list[AccessLine]:
+        """The requests the registry logged so far (``access_log=True``), in order."""
+        text = (self.root / "registry.log").read_text(errors="replace")
+        return [AccessLine(m["method"], m["path"], int(m["status"]), int(m["bytes"]) if m["bytes"] != "-" else 0)
+                for m in ACCESS_LINE.finditer(text)]
 
     def blob_path(self, digest: str) -> Path:
         """Where the registry keeps a blob's bytes (distribution's filesystem layout)."""

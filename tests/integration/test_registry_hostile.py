@@ -462,18 +462,25 @@ def test_the_bomb_is_what_it_claims() -> None:
     assert hashlib.sha256(BOMB).hexdigest()
 
 
-def test_a_redirect_to_another_origin_gets_no_credentials(serve: Callable[[], Server], tmp_path: Path) -> None:
+def redirecting_registry(serve: Callable[[], Server], location: Callable[[Server, Server], str]) -> tuple[Server, Server]:
+    """A registry that answers a logged-in manifest GET with a redirect to ``location(elsewhere,
+    registry)``, and the server elsewhere (404 to every GET)."""
     elsewhere = serve()
     registry = serve()
-    elsewhere.route("GET", "/m")(lambda h: h.reply(404, b"{}"))
+    elsewhere.route("GET", "/")(lambda h: h.reply(404, b"{}"))
 
     def basic(h: Hostile) -> None:
         if h.headers.get("Authorization") != f"Basic {AUTH}":
             h.reply(401, b"", {"Www-Authenticate": 'Basic realm="r"'})
         else:
-            h.reply(307, b"", {"Location": f"http://{elsewhere.address}/m"})
+            h.reply(307, b"", {"Location": location(elsewhere, registry)})
     registry.route("GET", "/v2/$")(lambda h: h.reply(401, b"", {"Www-Authenticate": 'Basic realm="r"'}))
     registry.route("GET", "/v2/vsnap/")(basic)
+    return registry, elsewhere
+
+
+def test_a_redirect_to_another_origin_gets_no_credentials(serve: Callable[[], Server], tmp_path: Path) -> None:
+    registry, elsewhere = redirecting_registry(serve, lambda elsewhere, _: f"http://{elsewhere.address}/m")
     run = vsnap("pull", f"{registry.address}/vsnap/x:v1", "--to", target(tmp_path),
                 env=docker_config(tmp_path, registry.address))
     refused_in_one_line(run, 4, "does not exist in the registry")
@@ -515,3 +522,59 @@ def test_a_steady_transfer_past_the_grace_is_not_cut(
     started = time.monotonic()
     result = pull_image(f"{registry.address}/vsnap/x:v1", to=Path(target(tmp_path)))
     assert result.downloaded == 1 and time.monotonic() - started > 2
+
+
+# --- hostile pass 14: a URL two parsers read differently -------------------------------------------------------
+# urllib's urlsplit (which decides where credentials go) reads `http://A\@B/` as B; urllib3 (which
+# connects) reads it as A: before the fix, credentials went to A with every such redirect, realm and
+# upload location. Each is refused now, and A never hears from vsnap.
+
+def test_a_token_realm_two_parsers_read_differently_is_refused(serve: Callable[[], Server], tmp_path: Path) -> None:
+    elsewhere = foreign_token_service(serve)
+    registry = serve()
+    bearer_registry_routes(registry, f"http://{elsewhere.address}\\@{registry.address}/token")
+    run = vsnap("pull", f"{registry.address}/vsnap/x:v1", "--to", target(tmp_path),
+                env=docker_config(tmp_path, registry.address))
+    refused_in_one_line(run, 3, "a URL that HTTP libraries read differently")
+    assert elsewhere.seen == []
+
+
+def test_a_redirect_two_parsers_read_differently_is_refused(serve: Callable[[], Server], tmp_path: Path) -> None:
+    registry, elsewhere = redirecting_registry(
+        serve, lambda elsewhere, registry: f"http://{elsewhere.address}\\@{registry.address}/m")
+    run = vsnap("pull", f"{registry.address}/vsnap/x:v1", "--to", target(tmp_path),
+                env=docker_config(tmp_path, registry.address))
+    refused_in_one_line(run, 3, "a URL that HTTP libraries read differently")
+    assert elsewhere.seen == []
+
+
+def test_an_upload_location_two_parsers_read_differently_is_refused(
+        serve: Callable[[], Server], tmp_path: Path) -> None:
+    elsewhere = serve()
+    registry = serve()
+    elsewhere.route("PATCH", "/")(lambda h: (h.drain(), h.reply(500))[1])
+    registry.route("GET", "/v2/$")(lambda h: h.reply(200, b"{}"))
+    registry.route("HEAD", "/v2/vsnap/x/blobs/")(lambda h: h.reply(404))
+    registry.route("POST", "/v2/vsnap/x/blobs/uploads/")(
+        lambda h: h.reply(202, b"", {"Location": f"http://{elsewhere.address}\\@{registry.address}/upload/1"}))
+    image = make_image(tmp_path / "images" / "img")
+    run = vsnap("push", str(image), f"{registry.address}/vsnap/x:v1", env=docker_config(tmp_path, registry.address))
+    refused_in_one_line(run, 3, "a URL that HTTP libraries read differently")
+    assert elsewhere.seen == []
+
+
+@pytest.mark.parametrize("url, plain", [
+    ("http://127.0.0.1:5000/v2/x/blobs/sha256:ab", True),
+    ("https://storage.example.com/b?X-Amz-Credential=AK%2F2026&sig=a@b", True),
+    ("http://[::1]:5000/v2/", True),
+    ("http://192.0.2.2:5516\\@127.0.0.1:5515/token", False),
+    ("http://user:pass@127.0.0.1:5515/token", False),
+    ("http://127.0.0.1:5515/a b", False),
+    ("http://127.0.0.1:5515\t/x", False),
+    ("http://127.0.0.1:5515/\u00e9", False),
+])
+def test_which_urls_are_unambiguous(url: str, plain: bool) -> None:
+    from vsnap.registry.client import _origin, unambiguous_url
+
+    assert unambiguous_url(url) is plain
+    assert (_origin(url) != ("", "", 0)) is plain

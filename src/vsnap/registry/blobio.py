@@ -62,9 +62,17 @@ class FileDigest:
                 self._pieces.append(self._piece.hexdigest())
                 self._piece, self._in_piece = hashlib.sha256(), 0
 
+    def piece_digests(self) -> list[str]:
+        """The hex sha256 of each piece fed so far (the last may be short; none fed: the empty one)."""
+        return self._pieces + ([self._piece.hexdigest()] if self._in_piece or not self._pieces else [])
+
     def hexdigest(self) -> str:
-        pieces = self._pieces + ([self._piece.hexdigest()] if self._in_piece or not self._pieces else [])
-        return pieces[0] if len(pieces) == 1 else hashlib.sha256("".join(pieces).encode()).hexdigest()
+        return combine_pieces(self.piece_digests())
+
+
+def combine_pieces(pieces: list[str]) -> str:
+    """A file's digest from its pieces' hex sha256, in order (``image.store.piece_hashes``)."""
+    return pieces[0] if len(pieces) == 1 else hashlib.sha256("".join(pieces).encode()).hexdigest()
 
 
 class HashingIterator:

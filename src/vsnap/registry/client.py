@@ -41,6 +41,7 @@ from .oci import OCI_MANIFEST, Reference
 from .transport import (
     _CURRENT,
     MIN_BYTES_PER_S,
+    RAW_CHUNK,
     READ_TIMEOUT_S,
     Expired,
     Transfer,
@@ -153,13 +154,37 @@ def inline_credentials(config: dict[str, Any], registry: str) -> tuple[str, str]
 
 
 def _origin(url: str) -> tuple[str, str, int]:
-    """(scheme, host, port) of ``url``: where a credential may go (a malformed URL: no origin)."""
+    """(scheme, host, port) of ``url``: where a credential may go (a malformed or ambiguous URL: no
+    origin, so nothing is sent there and a redirect, realm or upload there is refused)."""
+    if not unambiguous_url(url):
+        return "", "", 0
     try:
         parts = urlsplit(url)
         scheme = parts.scheme.lower()
         return scheme, (parts.hostname or "").lower(), parts.port or (443 if scheme == "https" else 80)
     except ValueError:
         return "", "", 0
+
+
+AMBIGUOUS = "a URL that HTTP libraries read differently (a backslash, a user name, spaces or control characters)"
+
+
+def unambiguous_url(url: str) -> bool:
+    """Whether every parser reads the same host in ``url``: urllib's urlsplit (which decides where
+    credentials may go) and urllib3's parse_url (which opens the connection) disagree on a backslash
+    (``http://evil\\@registry/`` is registry to one, evil to the other); userinfo, whitespace and
+    control characters have no place in a registry's URLs either."""
+    if not url.isascii() or not url.isprintable() or any(c in url for c in "\\ "):
+        return False
+    try:
+        from urllib3.util import parse_url
+
+        ours, theirs = urlsplit(url), parse_url(url)
+        if ours.username is not None or theirs.auth is not None:
+            return False
+        return ((ours.hostname or "").lower(), ours.port) == ((theirs.host or "").lower().strip("[]"), theirs.port)
+    except Exception:  # a URL either parser refuses (ValueError, urllib3's LocationParseError)
+        return False
 
 
 def _challenge_params(header: str) -> dict[str, str]:
@@ -259,11 +284,11 @@ class RegistryClient:
             transfer.close()
 
     def body(self, response: Any, what: str, *, limit: int | None = None,
-             too_long: Callable[[], Exception] | None = None) -> Iterator[bytes]:
+             too_long: Callable[[], Exception] | None = None, piece: int = RAW_CHUNK) -> Iterator[bytes]:
         """The body of an ``_exchange``'s response, decoded, bounded (transport.body)."""
         transfer = getattr(_CURRENT, "transfer", None)
         assert transfer is not None, "read a body inside its _exchange"
-        return body(response, transfer, self._bad_body(what), limit=limit, too_long=too_long)
+        return body(response, transfer, self._bad_body(what), limit=limit, too_long=too_long, piece=piece)
 
     def _bad_body(self, what: str) -> Callable[[str], Exception]:
         registry = self.reference.registry
@@ -327,6 +352,10 @@ class RegistryClient:
 
     def _redirect_target(self, url: str, location: str, what: str) -> str:
         target = urljoin(url, location[:8192])
+        if not unambiguous_url(target):
+            raise RegistryUnavailable(self.reference.registry, f"registry {self.reference.registry} redirected "
+                                                               f"{what} to {target[:120]!r}, {AMBIGUOUS}; refused",
+                                      hint="check the registry's storage redirect settings")
         scheme = _origin(target)[0]
         if scheme not in ("http", "https") or (scheme == "http" and not self.http):
             raise RegistryUnavailable(self.reference.registry, f"registry {self.reference.registry} redirected "
@@ -340,6 +369,9 @@ class RegistryClient:
         registry = self.reference.registry
         params = _challenge_params(challenge)
         realm = params.get("realm", "")
+        if realm and not unambiguous_url(realm):
+            raise RegistryUnavailable(registry, f"registry {registry} names the token service {realm[:120]!r}, "
+                                                f"{AMBIGUOUS}; refused", hint="check the registry's auth settings")
         if _origin(realm)[0] not in ("http", "https"):
             raise RegistryUnavailable(registry, f"registry {registry} asks for a token but names no token service "
                                                 "URL", hint="check the registry's auth settings")
@@ -468,6 +500,9 @@ class RegistryClient:
         if not location:
             raise RegistryUnavailable(self.reference.registry, f"registry {self.reference.registry} started an "
                                                                "upload without a Location")
+        if not unambiguous_url(location):
+            raise RegistryUnavailable(self.reference.registry, f"registry {self.reference.registry} sent an upload "
+                                                               f"to {location[:120]!r}, {AMBIGUOUS}; refused")
         if _origin(location)[0] not in ("http", "https") or (_origin(location)[0] == "http" and not self.http):
             raise RegistryUnavailable(self.reference.registry, f"registry {self.reference.registry} sent an upload "
                                                                f"to {location[:120]!r}; vsnap sends https only (http "
@@ -506,6 +541,18 @@ class RegistryClient:
         with self._exchange(what, url, "GET", ok=(200,)) as response:
             yield from self.body(response, what)
 
+    @contextmanager
+    def blob_range(self, digest: str, start: int, end: int) -> Iterator[Any]:
+        """GET bytes ``start`` to ``end`` (inclusive, as ``Range: bytes=start-end`` writes them) of
+        a blob, logged in and redirected as any GET (the Range header travels with a redirect to
+        storage, credentials only to the registry's origin): the response, 200 (the registry
+        ignored the range: the whole blob follows) or 206, for the block to check (its
+        Content-Range: registry.ranged) and read with ``self.body``, under its own deadline."""
+        url = self._url(self._container.get_blob_url(digest))
+        with self._exchange(range_what(digest, start, end), url, "GET", headers={"Range": f"bytes={start}-{end}"},
+                            ok=(200, 206)) as response:
+            yield response
+
     def read_blob(self, digest: str, limit: int) -> bytes:
         def too_long() -> ArtifactError:
             return ArtifactError(str(self.reference), f"{self.reference}: blob {digest[:19]}… runs past its "
@@ -533,6 +580,11 @@ class RegistryClient:
         with self._exchange(f"PUT manifest {tag}", url, "PUT", data=data, headers={"Content-Type": OCI_MANIFEST},
                             ok=(201,)):
             pass
+
+
+def range_what(digest: str, start: int, end: int) -> str:
+    """How a ranged GET is named in messages."""
+    return f"GET blob {digest[:19]} bytes {start}-{end}"
 
 
 _QUIETED = False

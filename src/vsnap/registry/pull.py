@@ -4,8 +4,9 @@ Phases: preflight (the target path as a capture checks it, its parent root's, th
 connect, fetch manifest (the OCI manifest, bounded and checked, then its config blob: the image's
 manifest.json, read and version-checked as a local one, its paths checked, matched to the layers,
 the sizes checked against free disk), download blobs (in parallel, each checked as it is written:
-registry.blobio), verify (the trust model and every file against manifest.json, as a restore does),
-publish (one rename).
+registry.blobio; a large raw one, the weights, as byte ranges side by side: registry.ranged),
+verify (the trust model and every file against manifest.json, as a restore does), publish (one
+rename).
 
 Everything is written into a private staging directory beside the target,
 ``.NAME.pull-<first 16 hex digits of the manifest digest>``: a blob in flight lives under its
@@ -46,6 +47,7 @@ from vsnap.image.store import (
 from vsnap.protocol.control import write_atomic
 from vsnap.protocol.errors import ArtifactError, HostNotReady, ImageUntrusted
 
+from . import ranged
 from .blobio import checking, parallel, write_blob
 from .client import RegistryClient, per_thread_clients
 from .oci import (
@@ -65,6 +67,7 @@ from .oci import (
 DEFAULT_JOBS = 4
 SPACE_MARGIN = 64 << 20
 RECORD_EVERY_S = 1.0  # the verified record is written at most this often during a pull (and at its end)
+SETTLE_MAX_S = 0.5    # the most a pull waits for its last files to be old enough to record (_settle)
 DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 
@@ -80,6 +83,7 @@ class PullResult:
     image_bytes: int
     staging: Path
     timings: dict[str, float]
+    ranged: int = 0         # files fetched as byte ranges side by side (registry.ranged)
 
 
 def default_image_dir(reference: Reference) -> Path:
@@ -118,24 +122,28 @@ def make_or_adopt_staging(image_dir: Path, digest: str) -> Path:
 
 
 def pull_image(reference: str | Reference, *, to: Path | None = None, force: bool = False, insecure: bool = False,
-               jobs: int = DEFAULT_JOBS, on_event: ProgressCallback | None = None) -> PullResult:
-    """Pull ``reference`` into ``to`` (default /var/lib/vsnap/images/<repository's last part>)."""
+               jobs: int = DEFAULT_JOBS, parts: int | None = None,
+               on_event: ProgressCallback | None = None) -> PullResult:
+    """Pull ``reference`` into ``to`` (default /var/lib/vsnap/images/<repository's last part>).
+    ``parts``: how many byte ranges a large raw layer is fetched in (default: VSNAP_PULL_PARTS,
+    else registry.ranged.DEFAULT_PARTS; 1: every blob in one stream)."""
     ref = parse_reference(reference) if isinstance(reference, str) else reference
+    parts = ranged.parts_wanted(parts)
     image_dir = Path(to or default_image_dir(ref)).absolute()
     timings = Timings(on_event)
     with timings.phase("preflight"):
         require_safe_directory(str(image_dir), "the image")
         check_parent(image_dir)
-        require_replaceable(image_dir, force)
+        require_replaceable(image_dir, force, elsewhere="pull into another --to")
     with image_lock(image_dir):  # one capture or pull per image path
-        require_replaceable(image_dir, force)
+        require_replaceable(image_dir, force, elsewhere="pull into another --to")
         with timings.phase("connect"):
             client = per_thread_clients(ref, insecure=insecure)
             client()
         with timings.phase("fetch manifest"):
             artifact, manifest, staging = _fetch_manifest(client(), ref, image_dir)
         with timings.phase("download blobs"):
-            fetched = _Downloads(staging, manifest, artifact)
+            fetched = _Downloads(staging, manifest, artifact, parts)
             try:
                 fetched.run(client, jobs)
             except OSError as exc:
@@ -153,7 +161,7 @@ def pull_image(reference: str | Reference, *, to: Path | None = None, force: boo
             record_origin(image_dir, str(artifact.reference))  # `vsnap images`: where it came from
     return PullResult(image_dir, str(artifact.reference), artifact.reference.digest or "", len(manifest.files),
                       fetched.downloaded, fetched.reused, fetched.bytes_received,
-                      sum(e.size for e in manifest.files.values()), staging, dict(timings.seconds))
+                      sum(e.size for e in manifest.files.values()), staging, dict(timings.seconds), fetched.ranged)
 
 
 def _disk_full(ref: Reference, image_dir: Path, staging: Path, kept: int, files: int) -> HostNotReady:
@@ -205,15 +213,15 @@ class _Downloads:
     count (4,000 one-byte layers: 277 s). A file checked but not yet recorded when a pull is killed
     is hashed again by the next one, and kept."""
 
-    def __init__(self, staging: Path, manifest: Manifest, artifact: Artifact) -> None:
-        self.staging, self.manifest = staging, manifest
+    def __init__(self, staging: Path, manifest: Manifest, artifact: Artifact, parts: int = 1) -> None:
+        self.staging, self.manifest, self.parts = staging, manifest, parts
         self.layers = {layer.path: layer for layer in artifact.layers}
         self.reference = str(artifact.reference)
         self._lock = threading.Lock()
         self.checked: dict[str, tuple[os.stat_result, str]] = {}
         self._cancel = threading.Event()
         self._recorded_at, self._record_gap = time.monotonic(), RECORD_EVERY_S
-        self.downloaded = self.reused = self.bytes_received = 0
+        self.downloaded = self.reused = self.bytes_received = self.ranged = 0
 
     def run(self, client: Callable[[], RegistryClient], jobs: int) -> None:
         incoming = self.staging / INCOMING
@@ -222,11 +230,25 @@ class _Downloads:
         os.mkdir(incoming, 0o700)
         order = sorted(missing, key=lambda rel: -self.manifest.files[rel].size)
         try:
-            parallel(lambda item: self._fetch(client(), *item), list(enumerate(order)), jobs, self._cancel)
+            parallel(lambda item: self._fetch(client, *item), list(enumerate(order)), jobs, self._cancel)
+            self._settle()
         finally:
             with self._lock:
                 self._record()
         os.rmdir(incoming)
+
+    def _settle(self) -> None:
+        """Wait, at most SETTLE_MAX_S, until every file checked is old enough for the verified
+        record to take it (host.verified.settled: its ctime a tick older than the record): the
+        last files renamed into place, the weights file of many GB among them, would otherwise
+        be left out of the final record and hashed again by the verify phase."""
+        deadline = time.monotonic() + SETTLE_MAX_S
+        while time.monotonic() < deadline:
+            now = time.time_ns()
+            with self._lock:
+                if all(verified.settled(st, now) for st, _ in self.checked.values()):
+                    return
+            time.sleep(0.02)
 
     def _record(self) -> None:
         """Write the verified record of what is checked so far (the caller holds the lock). The
@@ -291,14 +313,22 @@ class _Downloads:
         else:
             os.unlink(path)
 
-    def _fetch(self, client: RegistryClient, index: int, rel: str) -> None:
+    def _fetch(self, client: Callable[[], RegistryClient], index: int, rel: str) -> None:
+        """One file into ``.incoming/<index>``, checked, then renamed into place and recorded (once,
+        however many byte ranges it came in)."""
         layer: Layer = self.layers[rel]
         entry: FileEntry = self.manifest.files[rel]
         part = self.staging / INCOMING / str(index)
+        ranges = ranged.plan(layer, entry, self.parts)
+        in_ranges = False
         fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            write_blob(client.blob_chunks(layer.digest), layer, entry, fd, self.reference,
-                       checking(self._cancel, self._count))
+            if ranges:
+                in_ranges = ranged.fetch(client, layer, entry, fd, self.reference, ranges,
+                                         checking(self._cancel, self._count), self._cancel)
+            else:
+                write_blob(client().blob_chunks(layer.digest), layer, entry, fd, self.reference,
+                           checking(self._cancel, self._count))
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -307,6 +337,7 @@ class _Downloads:
         with self._lock:
             self.checked[rel] = (os.lstat(self.staging / rel), entry.digest)
             self.downloaded += 1
+            self.ranged += in_ranges
             if time.monotonic() - self._recorded_at >= self._record_gap:
                 self._record()
         failpoint("blob pulled")
