@@ -132,8 +132,8 @@ def logged(pushed: Pushed) -> int:
     return count
 
 
-def pull(pushed: Pushed, name: str, env: dict[str, str] | None = None, rc: int = 0) -> dict:
-    result = subprocess.run([VSNAP, "pull", pushed.ref, "--to", str(pushed.base / "pulled" / name), "--json"],
+def pull(pushed: Pushed, name: str, env: dict[str, str] | None = None, rc: int = 0, *args: str) -> dict:
+    result = subprocess.run([VSNAP, "pull", pushed.ref, "--to", str(pushed.base / "pulled" / name), "--json", *args],
                             capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
     assert result.returncode == rc, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
     return json.loads(result.stdout) if result.stdout.strip() else {}
@@ -148,10 +148,15 @@ def test_a_large_raw_layer_is_pulled_in_byte_ranges(pushed: Pushed, weights: byt
     verify_files(pulled, read_manifest(pulled))  # every file hashed again, and the trust model
     assert (pulled / WEIGHTS).read_bytes() == weights
     assert doc["bytes_received"] == doc["image_bytes"]
+    assert doc["ranged"] == 1  # the weights file
 
     since = len(pushed.registry.requests())
-    pull(pushed, "one-stream", {PARTS_ENV: "1"})
+    assert pull(pushed, "one-stream", {PARTS_ENV: "1"})["ranged"] == 0
     assert blob_gets(pushed, since, 1) == [(200, SIZE)]
+
+    since = len(pushed.registry.requests())
+    pull(pushed, "option", {PARTS_ENV: "4"}, 0, "--parts", "2")  # the option over the variable
+    assert blob_gets(pushed, since, 2) == sorted([(206, 2 * PIECE), (206, SIZE - 2 * PIECE)])
 
     since = len(pushed.registry.requests())
     pull(pushed, "two", {PARTS_ENV: "2"})

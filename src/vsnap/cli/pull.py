@@ -24,20 +24,23 @@ def pull(
     insecure: bool = typer.Option(False, "--insecure", help="speak plain http to a registry that is not on "
                                                             "127.0.0.1 or localhost (those always get http)"),
     jobs: Optional[int] = typer.Option(None, "--jobs", min=1, max=64, help="blobs fetched at once (default: 4)"),
+    parts: Optional[int] = typer.Option(None, "--parts", min=1, max=64, help="byte ranges a large raw layer (the "
+                                        "weights file) is fetched in, side by side (default: VSNAP_PULL_PARTS, "
+                                        "else 4; 1: one stream)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON document on stdout"),
 ) -> None:
     from vsnap.registry import pull as _pull  # here, not at import: every vsnap command loads every command module
 
     progress = _render.PhaseProgress()
     try:
-        result = _pull.pull_image(ref, to=to, force=force, insecure=insecure, on_event=progress,
+        result = _pull.pull_image(ref, to=to, force=force, insecure=insecure, on_event=progress, parts=parts,
                                    **({'jobs': jobs} if jobs else {}))
     finally:
         progress.close()
     if as_json:
         _render.print_json("pull", {
             "image": str(result.image_dir), "reference": result.reference, "digest": result.digest,
-            "files": result.files, "downloaded": result.downloaded, "reused": result.reused,
+            "files": result.files, "downloaded": result.downloaded, "reused": result.reused, "ranged": result.ranged,
             "bytes_received": result.bytes_received, "image_bytes": result.image_bytes,
             "timings": result.timings, "total_s": sum(result.timings.values()),
         })
