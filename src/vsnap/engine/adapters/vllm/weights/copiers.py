@@ -16,6 +16,7 @@ import threading
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -380,8 +381,6 @@ def buffered_into(path: Path, segments: list[Segment], targets: list[Any], *, th
                   chunk: int = CHUNK) -> dict[str, float]:
     """Copy the file's bytes into ``targets`` through host buffers: several threads read pieces of
     the file into pinned buffers (CUDA targets, asynchronous copies) or copy them (CPU targets)."""
-    import torch
-
     total = segments[-1].offset + segments[-1].nbytes if segments else 0
     starts = [s.offset for s in segments]
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -389,47 +388,70 @@ def buffered_into(path: Path, segments: list[Segment], targets: list[Any], *, th
         size = os.fstat(fd).st_size
         if size != total:
             raise ValueError(f"{path} has {size} bytes; the parameters need {total}")
-        chunks = (total + chunk - 1) // chunk
-        counter = itertools.count()  # next() is atomic under the GIL: chunks handed out in order
-        device = targets[0].device if targets else None
-        cuda = device is not None and device.type == "cuda"
-        start = time.monotonic()
-
-        def reader() -> None:
-            if cuda:
-                torch.cuda.set_device(device)
-            stream = torch.cuda.Stream() if cuda else None
-            buffers = [HostBuffer(chunk, cuda), HostBuffer(chunk, cuda)]
-            pending: list[Any] = [None, None]
-            try:
-                for turn in itertools.count():
-                    index = next(counter)
-                    if index >= chunks:
-                        break
-                    slot = turn % 2
-                    if pending[slot] is not None:
-                        pending[slot].synchronize()  # that buffer's last copy is done
-                    lo = index * chunk
-                    n = min(chunk, total - lo)
-                    buffer = buffers[slot]
-                    _read_into(fd, buffer.view[:n], lo)
-                    with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
-                        for k, a, b in _overlaps(starts, segments, lo, lo + n):
-                            offset = segments[k].offset
-                            targets[k][a - offset:b - offset].copy_(buffer.tensor[a - lo:b - lo], non_blocking=cuda)
-                        if cuda:
-                            pending[slot] = torch.cuda.Event()
-                            pending[slot].record(stream)
-                if stream is not None:
-                    stream.synchronize()
-            finally:
-                for buffer in buffers:
-                    buffer.close()
-
-        with ThreadPoolExecutor(max_workers=threads) as pool:
-            for future in [pool.submit(reader) for _ in range(min(threads, max(chunks, 1)))]:
-                future.result()
-        seconds = time.monotonic() - start
+        reads = [BufferedRead(fd, lo, min(chunk, total - lo),
+                              tuple((a - lo, k, a - segments[k].offset, b - a)
+                                    for k, a, b in _overlaps(starts, segments, lo, min(lo + chunk, total))))
+                 for lo in range(0, total, chunk)]
+        seconds = copy_through_buffers(reads, targets, threads=threads, chunk=chunk)
     finally:
         os.close(fd)
     return {"weights_bytes": float(total), "weights_load_s": seconds, "weights_gb_per_s": total / max(seconds, 1e-9) / 1e9}
+
+
+@dataclass(frozen=True)
+class BufferedRead:
+    """One read of copy_through_buffers: ``nbytes`` of ``fd`` from ``offset`` (at most one buffer),
+    and the copies out of it: (offset in the read, target index, offset in the target, bytes)."""
+
+    fd: int
+    offset: int
+    nbytes: int
+    copies: tuple[tuple[int, int, int, int], ...]
+
+
+def copy_through_buffers(reads: list[BufferedRead], targets: list[Any], *, threads: int = THREADS,
+                         chunk: int = CHUNK) -> float:
+    """The reads done by up to ``threads`` threads, each with two host buffers of ``chunk`` bytes
+    (pinned for CUDA targets: one is read into while the other's asynchronous copies run), reads
+    handed out in order; the seconds it took. buffered_into's and the weights plan's
+    (reference_copiers.buffered_plan_into) one mechanism."""
+    import torch
+
+    counter = itertools.count()  # next() is atomic under the GIL: reads handed out in order
+    device = targets[0].device if targets else None
+    cuda = device is not None and device.type == "cuda"
+    start = time.monotonic()
+
+    def reader() -> None:
+        if cuda:
+            torch.cuda.set_device(device)
+        stream = torch.cuda.Stream() if cuda else None
+        buffers = [HostBuffer(chunk, cuda), HostBuffer(chunk, cuda)]
+        pending: list[Any] = [None, None]
+        try:
+            for turn in itertools.count():
+                index = next(counter)
+                if index >= len(reads):
+                    break
+                slot, read = turn % 2, reads[index]
+                if pending[slot] is not None:
+                    pending[slot].synchronize()  # that buffer's last copy is done
+                buffer = buffers[slot]
+                _read_into(read.fd, buffer.view[:read.nbytes], read.offset)
+                with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
+                    for at, k, target_offset, nbytes in read.copies:
+                        targets[k][target_offset:target_offset + nbytes].copy_(buffer.tensor[at:at + nbytes],
+                                                                               non_blocking=cuda)
+                    if cuda:
+                        pending[slot] = torch.cuda.Event()
+                        pending[slot].record(stream)
+            if stream is not None:
+                stream.synchronize()
+        finally:
+            for buffer in buffers:
+                buffer.close()
+
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        for future in [pool.submit(reader) for _ in range(min(threads, max(len(reads), 1)))]:
+            future.result()
+    return time.monotonic() - start

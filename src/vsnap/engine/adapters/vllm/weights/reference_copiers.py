@@ -15,7 +15,6 @@ extent reads are not locked at all (a gap of a page or more)."""
 from __future__ import annotations
 
 import contextlib
-import itertools
 import mmap
 import os
 import time
@@ -32,13 +31,13 @@ from .copiers import (
     DMA_PIECE,
     DMA_THREADS,
     THREADS,
-    HostBuffer,
+    BufferedRead,
     LockedPages,
     RegistrationRefused,
     UnlockRefused,
     _overlaps,
     _PieceCopier,  # its threads' work (locking, unlocking, the end of a thread) is shared; only a piece differs
-    _read_into,
+    copy_through_buffers,
     held_within_memory,
 )
 from .layout import Segment
@@ -270,54 +269,18 @@ def _unmap(mapped: dict[int, tuple[mmap.mmap, Any]]) -> None:
 def buffered_plan_into(plan: Plan, rank_path: Path, segments: list[Segment], targets: list[Any], *,
                        threads: int = THREADS, chunk: int = CHUNK) -> dict[str, float]:
     """buffered_into for a plan: threads read pieces of the files into host buffers (pinned for
-    CUDA targets, copied asynchronously) and copy them into the targets."""
-    import torch
-
+    CUDA targets, copied asynchronously) and copy them into the targets (copiers.copy_through_buffers)."""
     total = _check(plan, rank_path, segments, targets)
     pieces = plan_pieces(plan, segments, chunk)
     fds: dict[int, int] = {}
     try:
         for source in sorted({p.source for p in pieces}):
             fds[source] = _open_source(plan, source, rank_path)
-        counter = itertools.count()  # next() is atomic under the GIL
-        device = targets[0].device if targets else None
-        cuda = device is not None and device.type == "cuda"
-        start = time.monotonic()
-
-        def reader() -> None:
-            if cuda:
-                torch.cuda.set_device(device)
-            stream = torch.cuda.Stream() if cuda else None
-            buffers = [HostBuffer(chunk, cuda), HostBuffer(chunk, cuda)]
-            pending: list[Any] = [None, None]
-            try:
-                for turn in itertools.count():
-                    index = next(counter)
-                    if index >= len(pieces):
-                        break
-                    slot, p = turn % 2, pieces[index]
-                    if pending[slot] is not None:
-                        pending[slot].synchronize()  # that buffer's last copy is done
-                    buffer = buffers[slot]
-                    _read_into(fds[p.source], buffer.view[:p.hi - p.lo], p.lo)
-                    with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
-                        for file_offset, k, target_offset, nbytes in p.copies:
-                            a = file_offset - p.lo
-                            targets[k][target_offset:target_offset + nbytes].copy_(buffer.tensor[a:a + nbytes],
-                                                                                    non_blocking=cuda)
-                        if cuda:
-                            pending[slot] = torch.cuda.Event()
-                            pending[slot].record(stream)
-                if stream is not None:
-                    stream.synchronize()
-            finally:
-                for buffer in buffers:
-                    buffer.close()
-
-        with ThreadPoolExecutor(max_workers=threads) as pool:
-            for future in [pool.submit(reader) for _ in range(min(threads, max(len(pieces), 1)))]:
-                future.result()
-        seconds = time.monotonic() - start
+        reads = [BufferedRead(fds[p.source], p.lo, p.hi - p.lo,
+                              tuple((file_offset - p.lo, k, target_offset, nbytes)
+                                    for file_offset, k, target_offset, nbytes in p.copies))
+                 for p in pieces]
+        seconds = copy_through_buffers(reads, targets, threads=threads, chunk=chunk)
     finally:
         for fd in fds.values():
             os.close(fd)
