@@ -27,6 +27,10 @@ def pull(
     parts: Optional[int] = typer.Option(None, "--parts", min=1, max=64, help="byte ranges a large raw layer (the "
                                         "weights file) is fetched in, side by side (default: VSNAP_PULL_PARTS, "
                                         "else 4; 1: one stream)"),
+    model_dir: Optional[Path] = typer.Option(None, "--model-dir", help="also put the model's files the image was "
+                                             "pushed with (`vsnap push --model`) into this directory, which must be "
+                                             "the one the image records; files already there are kept if they are "
+                                             "the image's, never replaced"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON document on stdout"),
 ) -> None:
     from vsnap.registry import pull as _pull  # here, not at import: every vsnap command loads every command module
@@ -34,6 +38,7 @@ def pull(
     progress = _render.PhaseProgress()
     try:
         result = _pull.pull_image(ref, to=to, force=force, insecure=insecure, on_event=progress, parts=parts,
+                                   model_dir=model_dir,
                                    **({'jobs': jobs} if jobs else {}))
     finally:
         progress.close()
@@ -42,6 +47,8 @@ def pull(
             "image": str(result.image_dir), "reference": result.reference, "digest": result.digest,
             "files": result.files, "downloaded": result.downloaded, "reused": result.reused, "ranged": result.ranged,
             "bytes_received": result.bytes_received, "image_bytes": result.image_bytes,
+            "model_dir": str(result.model_dir) if result.model_dir else None, "model_files": result.model_files,
+            "model_fetched": result.model_fetched, "model_bytes": result.model_bytes,
             "timings": result.timings, "total_s": sum(result.timings.values()),
         })
         return
@@ -49,3 +56,11 @@ def pull(
     _render.stdout.print(f"image: {result.image_dir} ({result.image_bytes / 1e6:.1f} MB; {result.downloaded} blobs "
                          f"fetched, {result.bytes_received / 1e6:.1f} MB, {result.reused} kept from an interrupted "
                          "pull)", markup=False)
+    if result.model_dir is not None:
+        _render.stdout.print(f"model: {result.model_dir} ({result.model_files} files, {result.model_bytes / 1e6:.1f} "
+                             f"MB; {result.model_fetched} fetched, the others were there)", markup=False)
+    elif result.model_files:
+        _render.stdout.print(f"model: not pulled ({result.model_files} files, {result.model_bytes / 1e6:.1f} MB, "
+                             f"in the registry); a restore needs them in {result.model_recorded}: pull with "
+                             f"--model-dir {result.model_recorded} where they are not there yet",
+                             markup=False)

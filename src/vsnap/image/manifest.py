@@ -144,6 +144,13 @@ class Manifest(_Frozen):
             raise ValueError(f"an image with CUDA state of {self.tensor_parallel_size} rank(s) must name the GPU of each "
                              "(gpu_uuids, or host.gpus for one rank)")
 
+    def model_files(self) -> dict[str, Dependency]:
+        """The dependencies inside the model directory (launch.model), by their path there: what
+        `vsnap push --model` sends beside the image and `vsnap pull --model-dir` puts back."""
+        root = self.launch.model.rstrip("/") + "/"
+        return {dep.path[len(root):]: dep for dep in self.dependencies
+                if dep.path.startswith(root) and len(dep.path) > len(root)}
+
     def captured_gpus(self) -> list[str]:
         """The UUIDs of the GPUs the tree ran on, in rank order (empty without CUDA state)."""
         if self.gpu_uuids:

@@ -158,7 +158,7 @@ class ImageHostMismatch(ImageError):
     """Facts the image depends on differ on this host. Every one is named, each on its own line:
     the first on the error line when there is one, else a count there and one per line below."""
 
-    def __init__(self, mismatches: Sequence[tuple[str, str, str]]) -> None:
+    def __init__(self, mismatches: Sequence[tuple[str, str, str]], *, hint: str = "") -> None:
         self.mismatches = list(mismatches)
         lines = [f"{fact}: image has {rec!r}, host has {cur!r}" for fact, rec, cur in self.mismatches]
         if len(lines) == 1:
@@ -167,8 +167,8 @@ class ImageHostMismatch(ImageError):
             text = f"image does not fit this host in {len(lines)} facts:" + "".join(f"\n  {line}" for line in lines)
         super().__init__(
             text,
-            hint="restore on a host with the same software, or capture a new image here "
-                 "(docs/image-format.md, \"Restoring on another host\", says why each fact counts)",
+            hint=hint or "restore on a host with the same software, or capture a new image here "
+                         "(docs/image-format.md, \"Restoring on another host\", says why each fact counts)",
         )
 
     def to_dict(self) -> dict[str, Any]:

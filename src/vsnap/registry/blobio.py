@@ -112,8 +112,10 @@ def zstd_chunks(path: Path, level: int = ZSTD_LEVEL, threads: int = 1) -> Iterat
         yield from compressor.read_to_iter(f, size=os.fstat(fd).st_size, read_size=CHUNK, write_size=CHUNK)
 
 
-def file_chunks(path: Path) -> Iterator[bytes]:
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+def file_chunks(path: Path, opener: Callable[[Path], int] | None = None) -> Iterator[bytes]:
+    """The bytes of ``path``, in chunks: opened (once iterated) by ``opener``, by default without
+    following a link."""
+    fd = opener(path) if opener is not None else os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     with open(fd, "rb", buffering=0) as f:
         while chunk := f.read(CHUNK):
             yield chunk

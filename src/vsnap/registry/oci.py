@@ -6,6 +6,10 @@ is ARTIFACT_TYPE; its config blob is the image's manifest.json, byte for byte (s
 every file's size and digest before it fetches any); one layer per image file, titled with the
 file's relative path: raw (FILE_MEDIA_TYPE) or zstd-compressed (FILE_ZSTD_MEDIA_TYPE, see
 ``encoding_for``). The weights file is a raw layer of its own, so images of one model share it.
+An image pushed with its model (``vsnap push --model``) also has one raw layer per file of its
+model directory (MODEL_FILE_MEDIA_TYPE), titled with the file's path inside that directory: its
+blob is the file as it is, so every image of one model shares the model's blobs
+(registry.model_files).
 
 A registry is hostile input: ``parse_artifact`` bounds the document, checks its media types,
 every digest's form and every size, and that each title is a plain relative path inside the
@@ -17,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -31,6 +35,7 @@ ARTIFACT_TYPE = "application/vnd.vsnap.image.v1"
 CONFIG_MEDIA_TYPE = "application/vnd.vsnap.image.manifest.v1+json"  # manifest.json itself
 FILE_MEDIA_TYPE = "application/vnd.vsnap.image.file.v1"
 FILE_ZSTD_MEDIA_TYPE = "application/vnd.vsnap.image.file.v1+zstd"
+MODEL_FILE_MEDIA_TYPE = "application/vnd.vsnap.model.file.v1"  # a file of the image's model directory, raw
 TITLE = "org.opencontainers.image.title"
 ENCODINGS: dict[str, Literal["raw", "zstd"]] = {FILE_MEDIA_TYPE: "raw", FILE_ZSTD_MEDIA_TYPE: "zstd"}
 MEDIA_TYPES = {encoding: media for media, encoding in ENCODINGS.items()}
@@ -40,6 +45,7 @@ MAX_LAYERS = 100_000
 MAX_FILE_BYTES = 1 << 40           # one image file; the pull also checks the total against free disk
 COMPRESS_MIN_BYTES = 64 << 10      # smaller files go raw: their blob digest is their manifest digest
 INCOMING = ".incoming"             # the pull's directory for blobs in flight, inside its staging
+MODEL_STAGING_PREFIX = ".vsnap-pull-"  # a pull stages model files in <model dir>/.vsnap-pull-<digest>
 DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 
 
@@ -150,16 +156,20 @@ def sha256_digest(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
-def build_manifest(config: bytes, layers: list[Layer], manifest: Manifest) -> bytes:
+def build_manifest(config: bytes, layers: list[Layer], manifest: Manifest, model_layers: list[Layer] = ()) -> bytes:
     """The OCI image manifest a push writes (``config``: manifest.json's bytes). Layers are
-    ordered by path, so one image always gives the same document and the same digest."""
+    ordered by path, the image's files first, then the model's (``model_layers``, titled with
+    their paths inside the model directory), so one image always gives the same document and the
+    same digest."""
     document = {
         "schemaVersion": 2,
         "mediaType": OCI_MANIFEST,
         "artifactType": ARTIFACT_TYPE,
         "config": {"mediaType": CONFIG_MEDIA_TYPE, "digest": sha256_digest(config), "size": len(config)},
         "layers": [{"mediaType": MEDIA_TYPES[layer.encoding], "digest": layer.digest, "size": layer.size,
-                    "annotations": {TITLE: layer.path}} for layer in sorted(layers, key=lambda x: x.path)],
+                    "annotations": {TITLE: layer.path}} for layer in sorted(layers, key=lambda x: x.path)]
+        + [{"mediaType": MODEL_FILE_MEDIA_TYPE, "digest": layer.digest, "size": layer.size,
+            "annotations": {TITLE: layer.path}} for layer in sorted(model_layers, key=lambda x: x.path)],
         "annotations": {"org.opencontainers.image.created": manifest.created_at,
                         "dev.vsnap.image.name": manifest.name, "dev.vsnap.image.engine": manifest.engine,
                         "dev.vsnap.image.format": str(manifest.format_version),
@@ -196,7 +206,8 @@ class Artifact:
     reference: Reference     # with the manifest's digest
     config_digest: str
     config_size: int
-    layers: list[Layer]
+    layers: list[Layer]      # the image's files
+    model_layers: list[Layer] = field(default_factory=list)  # its model's files (pushed with --model), raw
 
 
 def parse_artifact(data: bytes, reference: Reference) -> Artifact:
@@ -229,31 +240,56 @@ def parse_artifact(data: bytes, reference: Reference) -> Artifact:
         raise ArtifactError(ref, f"{ref}: its manifest.json would be {oci.config.size} bytes; at most "
                                  f"{MAX_MANIFEST_BYTES} are read")
     layers: list[Layer] = []
-    seen: set[str] = set()
+    model_layers: list[Layer] = []
     for index, layer in enumerate(oci.layers):
-        encoding = ENCODINGS.get(layer.mediaType)
+        model = layer.mediaType == MODEL_FILE_MEDIA_TYPE
+        encoding = "raw" if model else ENCODINGS.get(layer.mediaType)
         if encoding is None:
             raise ArtifactError(ref, f"{ref}: layer {index} has media type {layer.mediaType!r}; vsnap reads only "
-                                     f"{FILE_MEDIA_TYPE} and {FILE_ZSTD_MEDIA_TYPE}")
+                                     f"{FILE_MEDIA_TYPE}, {FILE_ZSTD_MEDIA_TYPE} and {MODEL_FILE_MEDIA_TYPE}")
         _require_digest(ref, layer.digest, f"layer {index}")
         path = layer.annotations.get(TITLE)
         if path is None:
             raise ArtifactError(ref, f"{ref}: layer {index} has no {TITLE} annotation naming its file")
-        require_image_path(path, "an artifact's layer title")
-        if path in seen:
-            raise ArtifactError(ref, f"{ref}: two layers are titled {path}", file=path)
+        if model:
+            require_model_path(path)
+        else:
+            require_image_path(path, "an artifact's layer title")
         if layer.size > MAX_FILE_BYTES:
             raise ArtifactError(ref, f"{ref}: layer {path} is {layer.size} bytes, over {MAX_FILE_BYTES}", file=path)
+        (model_layers if model else layers).append(Layer(path, encoding, layer.digest, layer.size))
+    for group in (layers, model_layers):  # titles name files of the image, or of the model directory
+        _require_one_tree(ref, [layer.path for layer in group])
+    return Artifact(reference.with_digest(digest), oci.config.digest, oci.config.size, layers, model_layers)
+
+
+def _require_one_tree(ref: str, paths: list[str]) -> None:
+    """Each path once, and none also a directory of another: checked before any blob, since
+    downloads run side by side and a file and a directory of one name would otherwise meet only
+    at a rename, in either order."""
+    seen: set[str] = set()
+    for path in paths:
+        if path in seen:
+            raise ArtifactError(ref, f"{ref}: two layers are titled {path}", file=path)
         seen.add(path)
-        layers.append(Layer(path, encoding, layer.digest, layer.size))
-    for path in seen:  # before any blob: downloads run side by side, so a file and a directory of one
-        # name would otherwise meet only at a rename, in either order
+    for path in seen:
         parents = path.split("/")[:-1]
         for depth in range(1, len(parents) + 1):
             if "/".join(parents[:depth]) in seen:
                 raise ImageUntrusted(path, "the artifact names a file and a directory of the same name "
                                            f"({'/'.join(parents[:depth])})", hint=ALTERED_HINT)
-    return Artifact(reference.with_digest(digest), oci.config.digest, oci.config.size, layers)
+
+
+def require_model_path(path: str) -> str:
+    """A model file's title: a plain relative path inside the model directory, not inside a
+    directory vsnap stages in there (MODEL_STAGING_PREFIX)."""
+    try:
+        require_inside(path, "an artifact's model file title")
+    except ImageUntrusted as exc:
+        raise ImageUntrusted(exc.path, exc.reason, hint=ALTERED_HINT) from None
+    if path.split("/", 1)[0].startswith(MODEL_STAGING_PREFIX):
+        raise ImageUntrusted(path, "a model file's title names a file vsnap writes itself", hint=ALTERED_HINT)
+    return path
 
 
 def require_image_path(path: str, what: str) -> str:
@@ -279,8 +315,11 @@ def zstd_bound(size: int) -> int:
 
 
 def match_manifest(artifact: Artifact, manifest: Manifest) -> None:
-    """The layers are exactly the files manifest.json lists, each of a size that can hold it."""
+    """The layers are exactly the files manifest.json lists, each of a size that can hold it; the
+    model layers, if any, exactly the model files it depends on, each that file's bytes."""
     ref = str(artifact.reference)
+    if artifact.model_layers:
+        _match_model(ref, artifact.model_layers, manifest)
     titles = {layer.path: layer for layer in artifact.layers}
     files = set(manifest.files)
     if MANIFEST in files:
@@ -302,3 +341,22 @@ def match_manifest(artifact: Artifact, manifest: Manifest) -> None:
         if layer.encoding == "zstd" and layer.size > zstd_bound(entry.size):
             raise ArtifactError(ref, f"{ref}: layer {path} has {layer.size} bytes, more than zstd makes of its "
                                      f"{entry.size}-byte file", file=path)
+
+
+def _match_model(ref: str, layers: list[Layer], manifest: Manifest) -> None:
+    """A model layer's blob is one model file as it is: same path in the model directory, same
+    size, its sha256 the blob's digest. All of them or none (a pull would place half a model)."""
+    wanted = manifest.model_files()
+    titles = {layer.path: layer for layer in layers}
+    missing, extra = sorted(set(wanted) - set(titles)), sorted(set(titles) - set(wanted))
+    if extra:
+        raise ArtifactError(ref, f"{ref}: model layer {extra[0]} is not a file of the model its manifest.json "
+                                 f"depends on ({manifest.launch.model})", file=extra[0], hint=ALTERED_HINT)
+    if missing:
+        raise ArtifactError(ref, f"{ref}: no model layer holds {missing[0]}, a file of its model "
+                                 f"({len(titles)} of {len(wanted)} are there)", file=missing[0], hint=ALTERED_HINT)
+    for path, layer in titles.items():
+        dep = wanted[path]
+        if dep.sha256 is None or layer.size != dep.size or layer.digest != f"sha256:{dep.sha256}":
+            raise ArtifactError(ref, f"{ref}: model layer {path} ({layer.size} bytes, {layer.digest[:19]}…) is not "
+                                     f"the file manifest.json records", file=path, hint=ALTERED_HINT)

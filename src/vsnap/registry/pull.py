@@ -5,8 +5,9 @@ connect, fetch manifest (the OCI manifest, bounded and checked, then its config 
 manifest.json, read and version-checked as a local one, its paths checked, matched to the layers,
 the sizes checked against free disk), download blobs (in parallel, each checked as it is written:
 registry.blobio; a large raw one, the weights, as byte ranges side by side: registry.ranged),
-verify (the trust model and every file against manifest.json, as a restore does), publish (one
-rename).
+verify (the trust model and every file against manifest.json, as a restore does), place model
+(with --model-dir: the model's files into the model directory: registry.model_files), publish
+(one rename).
 
 Everything is written into a private staging directory beside the target,
 ``.NAME.pull-<first 16 hex digits of the manifest digest>``: a blob in flight lives under its
@@ -47,7 +48,7 @@ from vsnap.image.store import (
 from vsnap.protocol.control import write_atomic
 from vsnap.protocol.errors import ArtifactError, HostNotReady, ImageUntrusted
 
-from . import ranged
+from . import model_files, ranged
 from .blobio import checking, parallel, write_blob
 from .client import RegistryClient, per_thread_clients
 from .oci import (
@@ -84,6 +85,11 @@ class PullResult:
     staging: Path
     timings: dict[str, float]
     ranged: int = 0         # files fetched as byte ranges side by side (registry.ranged)
+    model_dir: Path | None = None  # where the model's files were put (pull --model-dir)
+    model_files: int = 0    # the model's files the artifact carries
+    model_fetched: int = 0  # of them fetched now (the others were there already, or not asked for)
+    model_bytes: int = 0    # the model files' bytes
+    model_recorded: str = ""  # the model directory the image records (where a restore needs those files)
 
 
 def default_image_dir(reference: Reference) -> Path:
@@ -122,11 +128,12 @@ def make_or_adopt_staging(image_dir: Path, digest: str) -> Path:
 
 
 def pull_image(reference: str | Reference, *, to: Path | None = None, force: bool = False, insecure: bool = False,
-               jobs: int = DEFAULT_JOBS, parts: int | None = None,
+               jobs: int = DEFAULT_JOBS, parts: int | None = None, model_dir: Path | None = None,
                on_event: ProgressCallback | None = None) -> PullResult:
     """Pull ``reference`` into ``to`` (default /var/lib/vsnap/images/<repository's last part>).
     ``parts``: how many byte ranges a large raw layer is fetched in (default: VSNAP_PULL_PARTS,
-    else registry.ranged.DEFAULT_PARTS; 1: every blob in one stream)."""
+    else registry.ranged.DEFAULT_PARTS; 1: every blob in one stream). ``model_dir``: also put
+    the model's files the artifact carries there (it must be the directory the image records)."""
     ref = parse_reference(reference) if isinstance(reference, str) else reference
     parts = ranged.parts_wanted(parts)
     image_dir = Path(to or default_image_dir(ref)).absolute()
@@ -142,16 +149,28 @@ def pull_image(reference: str | Reference, *, to: Path | None = None, force: boo
             client()
         with timings.phase("fetch manifest"):
             artifact, manifest, staging = _fetch_manifest(client(), ref, image_dir)
+            model = model_files.prepare(model_dir, manifest, artifact) if model_dir is not None else None
+            _require_space(ref, image_dir, [(staging, manifest.files)]
+                           + ([(model.staging, model.entries)] if model is not None else []))
         with timings.phase("download blobs"):
-            fetched = _Downloads(staging, manifest, artifact, parts)
-            try:
-                fetched.run(client, jobs)
-            except OSError as exc:
-                if exc.errno not in DISK_ERRNOS:
-                    raise
-                raise _disk_full(ref, image_dir, staging, len(fetched.checked), len(manifest.files)) from None
+            downloads = []
+            if model is not None:  # the model first: the image is published only once its model is in place
+                downloads.append(_Downloads(model.staging, model.entries, model.layers, str(artifact.reference), parts))
+            fetched = _Downloads(staging, manifest.files, {layer.path: layer for layer in artifact.layers},
+                                 str(artifact.reference), parts)
+            downloads.append(fetched)
+            for download in downloads:
+                try:
+                    download.run(client, jobs)
+                except OSError as exc:
+                    if exc.errno not in DISK_ERRNOS:
+                        raise
+                    raise _disk_full(ref, download.staging, len(download.checked), len(download.entries)) from None
         with timings.phase("verify"):
             verify_files(staging, manifest, cache_root=verified.VERIFIED_DIR)  # the trust model, every file
+        if model is not None:
+            with timings.phase("place model"):
+                model_files.place(model)
         with timings.phase("publish"):
             with image_read_lock(image_dir, exclusive=True):  # no restore is reading an older image there
                 publish(staging, image_dir)
@@ -160,16 +179,38 @@ def pull_image(reference: str | Reference, *, to: Path | None = None, force: boo
             verified.forget(staging)
             record_origin(image_dir, str(artifact.reference))  # `vsnap images`: where it came from
     return PullResult(image_dir, str(artifact.reference), artifact.reference.digest or "", len(manifest.files),
-                      fetched.downloaded, fetched.reused, fetched.bytes_received,
-                      sum(e.size for e in manifest.files.values()), staging, dict(timings.seconds), fetched.ranged)
+                      sum(d.downloaded for d in downloads), fetched.reused, sum(d.bytes_received for d in downloads),
+                      sum(e.size for e in manifest.files.values()), staging, dict(timings.seconds),
+                      sum(d.ranged for d in downloads), model.model_dir if model is not None else None,
+                      len(artifact.model_layers), len(model.entries) if model is not None else 0,
+                      sum(layer.size for layer in artifact.model_layers), manifest.launch.model)
 
 
-def _disk_full(ref: Reference, image_dir: Path, staging: Path, kept: int, files: int) -> HostNotReady:
+def _disk_full(ref: Reference, staging: Path, kept: int, files: int) -> HostNotReady:
     """A pull that filled the disk says what it keeps (a staging directory the next pull resumes
     from), never that nothing was left (what the CLI says of other full-disk errors)."""
-    return HostNotReady("disk", f"the disk filled while pulling {ref} into {image_dir.parent}: {kept} of {files} "
+    return HostNotReady("disk", f"the disk filled while pulling {ref} into {staging.parent}: {kept} of {files} "
                                 f"files are fetched and checked, kept in {staging}",
                         hint="free space there and pull again: it resumes with the files kept")
+
+
+def _require_space(ref: Reference, image_dir: Path, stagings: list[tuple[Path, dict[str, FileEntry]]]) -> None:
+    """Free space for the files each staging directory does not hold yet (a resumed pull's own
+    blobs are not counted twice), per filesystem: the image's and the model directory's may share
+    one."""
+    needs: dict[int, tuple[Path, int]] = {}
+    for staging, entries in stagings:
+        need = sum(entry.size for rel, entry in entries.items() if not os.path.lexists(staging / rel))
+        device = os.stat(staging).st_dev
+        where, before = needs.get(device, (staging.parent, 0))
+        needs[device] = (where, before + need)
+    for where, need in needs.values():
+        st = os.statvfs(where)
+        free = st.f_bavail * st.f_frsize
+        if need + SPACE_MARGIN > free:
+            raise HostNotReady("disk", f"not enough space to pull {ref} into {where}: "
+                                       f"{need / 1e6:.0f} MB needed, {free / 1e6:.0f} MB free",
+                               hint="free space there, or pull --to a directory on another disk")
 
 
 def _fetch_manifest(client: RegistryClient, ref: Reference, image_dir: Path) -> tuple[Artifact, Manifest, Path]:
@@ -195,13 +236,6 @@ def _fetch_manifest(client: RegistryClient, ref: Reference, image_dir: Path) -> 
     require_trust(staging, manifest)   # every path inside the image, shm names plain
     require_safe_directory(manifest.control_dir, "the manifest's control_dir")  # as a restore will, before 20 GB
     match_manifest(artifact, manifest)
-    need = sum(entry.size for rel, entry in manifest.files.items() if not os.path.lexists(staging / rel))
-    st = os.statvfs(staging)
-    free = st.f_bavail * st.f_frsize
-    if need + SPACE_MARGIN > free:
-        raise HostNotReady("disk", f"not enough space to pull {ref} into {image_dir.parent}: "
-                                   f"{need / 1e6:.0f} MB needed, {free / 1e6:.0f} MB free",
-                           hint="free space there, or pull --to a directory on another disk")
     return artifact, manifest, staging
 
 
@@ -213,10 +247,9 @@ class _Downloads:
     count (4,000 one-byte layers: 277 s). A file checked but not yet recorded when a pull is killed
     is hashed again by the next one, and kept."""
 
-    def __init__(self, staging: Path, manifest: Manifest, artifact: Artifact, parts: int = 1) -> None:
-        self.staging, self.manifest, self.parts = staging, manifest, parts
-        self.layers = {layer.path: layer for layer in artifact.layers}
-        self.reference = str(artifact.reference)
+    def __init__(self, staging: Path, entries: dict[str, FileEntry], layers: dict[str, Layer], reference: str,
+                 parts: int = 1) -> None:
+        self.staging, self.entries, self.layers, self.reference, self.parts = staging, entries, layers, reference, parts
         self._lock = threading.Lock()
         self.checked: dict[str, tuple[os.stat_result, str]] = {}
         self._cancel = threading.Event()
@@ -228,7 +261,7 @@ class _Downloads:
         shutil.rmtree(incoming, ignore_errors=True)  # blobs in flight when a pull was interrupted
         missing = self._keep_what_is_there()
         os.mkdir(incoming, 0o700)
-        order = sorted(missing, key=lambda rel: -self.manifest.files[rel].size)
+        order = sorted(missing, key=lambda rel: -self.entries[rel].size)
         try:
             parallel(lambda item: self._fetch(client, *item), list(enumerate(order)), jobs, self._cancel)
             self._settle()
@@ -266,7 +299,7 @@ class _Downloads:
         record = verified.load(self.staging)
         missing: list[str] = []
         to_hash: dict[str, os.stat_result] = {}
-        for rel, entry in self.manifest.files.items():
+        for rel, entry in self.entries.items():
             path = self.staging / rel
             try:
                 st = os.lstat(path)
@@ -282,7 +315,7 @@ class _Downloads:
                 to_hash[rel] = st
         digests = piece_hashes(self.staging, {rel: st.st_size for rel, st in to_hash.items()})
         for rel, st in to_hash.items():
-            if digests[rel] == self.manifest.files[rel].digest:
+            if digests[rel] == self.entries[rel].digest:
                 self.checked[rel] = (st, digests[rel])
             else:
                 self._remove(self.staging / rel, st)
@@ -293,8 +326,8 @@ class _Downloads:
     def _remove_unlisted(self) -> None:
         """An adopted staging directory holds only what vsnap put there; drop what this manifest
         does not list (directories are walked, never followed)."""
-        wanted = set(self.manifest.files) | {MANIFEST}
-        prefixes = {"/".join(rel.split("/")[:i]) for rel in self.manifest.files for i in range(1, rel.count("/") + 1)}
+        wanted = set(self.entries) | {MANIFEST}
+        prefixes = {"/".join(rel.split("/")[:i]) for rel in self.entries for i in range(1, rel.count("/") + 1)}
         for dirpath, dirnames, filenames in os.walk(self.staging, followlinks=False):
             for name in dirnames + filenames:
                 path = Path(dirpath) / name
@@ -317,7 +350,7 @@ class _Downloads:
         """One file into ``.incoming/<index>``, checked, then renamed into place and recorded (once,
         however many byte ranges it came in)."""
         layer: Layer = self.layers[rel]
-        entry: FileEntry = self.manifest.files[rel]
+        entry: FileEntry = self.entries[rel]
         part = self.staging / INCOMING / str(index)
         ranges = ranged.plan(layer, entry, self.parts)
         in_ranges = False

@@ -5,7 +5,10 @@ image's readers' lock for the whole push, so a capture cannot replace it meanwhi
 plan blobs (the digest of each blob that can be known before sending it), upload blobs (in
 parallel; a blob the registry already holds is not sent again: HEAD), push manifest (the config
 blob, manifest.json, then the OCI manifest under the tag). An interrupted push leaves whole
-blobs in the registry and their digests in _pushed; the next push sends only the rest.
+blobs in the registry and their digests in _pushed; the next push sends only the rest. With
+``model``, the files of the image's model directory travel too, one raw blob each
+(registry.model_files): checked in verify image, sent beside the image's, shared by every image
+of the model.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from vsnap.protocol.errors import ImageError, UsageError
 from .blobio import HashingIterator, checking, file_chunks, parallel, zstd_chunks
 from .client import RegistryClient, per_thread_clients
 from .oci import Layer, Reference, build_manifest, encoding_for, parse_reference, sha256_digest
+from .model_files import layers_to_push
 from .pushed import PushedBlobs
 
 DEFAULT_JOBS = 4
@@ -47,6 +51,8 @@ class PushResult:
     bytes_skipped: int
     image_bytes: int        # the image's files, uncompressed
     timings: dict[str, float]
+    model_files: int = 0    # the model's files pushed beside the image (--model), sent or already there
+    model_bytes: int = 0
 
 
 class _Counters:
@@ -75,8 +81,9 @@ def read_manifest_bytes(image_dir: Path) -> bytes:
 
 
 def push_image(image_dir: Path, reference: str | Reference, *, insecure: bool = False, jobs: int = DEFAULT_JOBS,
-               on_event: ProgressCallback | None = None) -> PushResult:
-    """Push ``image_dir`` to ``reference`` (REGISTRY/REPOSITORY[:TAG]); returns the pushed digest."""
+               model: bool = False, on_event: ProgressCallback | None = None) -> PushResult:
+    """Push ``image_dir`` to ``reference`` (REGISTRY/REPOSITORY[:TAG]); returns the pushed digest.
+    ``model``: the model's files too, so that a node without them can pull them."""
     ref = parse_reference(reference) if isinstance(reference, str) else reference
     if ref.digest:
         raise UsageError(f"{ref}: a push names a tag, not a digest (the registry computes the digest)",
@@ -93,6 +100,7 @@ def push_image(image_dir: Path, reference: str | Reference, *, insecure: bool = 
             config = read_manifest_bytes(image_dir)
             if Manifest.model_validate_json(config) != manifest:
                 raise ImageError(f"{image_dir / MANIFEST} changed while vsnap read it", hint="push again")
+            model_layers = layers_to_push(manifest) if model else {}
         with timings.phase("connect"):
             client = per_thread_clients(ref, insecure=insecure)
             client()
@@ -105,7 +113,7 @@ def push_image(image_dir: Path, reference: str | Reference, *, insecure: bool = 
         # mode other ones): one image pushes as one digest, whatever --jobs and the host's cores
         threads = max(1, (os.cpu_count() or 1) // max(1, jobs))
         cancel = threading.Event()
-        one_per_digest = OnePerDigest(known.values())
+        one_per_digest = OnePerDigest([*known.values(), *(layer for _, layer in model_layers.values())])
         with timings.phase("upload blobs"):
             def send(rel: str) -> Layer:
                 planned = known.get(rel)
@@ -115,19 +123,29 @@ def push_image(image_dir: Path, reference: str | Reference, *, insecure: bool = 
                 failpoint("blob pushed")
                 return layer
 
-            order = sorted(manifest.files, key=lambda rel: -manifest.files[rel].size)
-            layers = parallel(send, order, jobs, cancel)
+            def send_model_file(rel: str) -> Layer:
+                path, layer = model_layers[rel]
+                with one_per_digest.holding(layer):
+                    _send_model_file(client(), path, layer, counters, cancel)
+                return layer
+
+            items = [(send, rel, entry.size) for rel, entry in manifest.files.items()]
+            items += [(send_model_file, rel, layer.size) for rel, (_, layer) in model_layers.items()]
+            items.sort(key=lambda item: -item[2])
+            sent = parallel(lambda item: item[0](item[1]), items, jobs, cancel)
+            layers = [layer for (fn, _, _), layer in zip(items, sent) if fn is send]
         with timings.phase("push manifest"):
             config_digest = sha256_digest(config)
             if not client().blob_exists(config_digest):
                 client().upload_file(io.BytesIO(config), len(config), config_digest)
-            document = build_manifest(config, layers, manifest)
+            document = build_manifest(config, layers, manifest, [layer for _, layer in model_layers.values()])
             client().put_manifest(document, ref.tag or "latest")
     digest = sha256_digest(document)
     tagged = Reference(ref.registry, ref.repository, ref.tag or "latest", digest)
-    return PushResult(str(tagged), digest, image_dir, len(layers), counters.uploaded, counters.skipped,
-                      counters.bytes_sent, counters.bytes_skipped, sum(e.size for e in manifest.files.values()),
-                      dict(timings.seconds))
+    return PushResult(str(tagged), digest, image_dir, len(layers) + len(model_layers), counters.uploaded,
+                      counters.skipped, counters.bytes_sent, counters.bytes_skipped,
+                      sum(e.size for e in manifest.files.values()), dict(timings.seconds), len(model_layers),
+                      sum(layer.size for _, layer in model_layers.values()))
 
 
 class OnePerDigest:
@@ -178,3 +196,18 @@ def _send(client: RegistryClient, image_dir: Path, rel: str, manifest: Manifest,
     client.upload_stream(stream, lambda: stream.digest)
     counters.add(stream.size, sent=True)
     return Layer(rel, encoding, stream.digest, stream.size)
+
+
+def _send_model_file(client: RegistryClient, path: Path, layer: Layer, counters: _Counters,
+                     cancel: threading.Event) -> None:
+    """One model file as its raw blob, unless the registry holds it (another image of the model
+    sent it): its digest is the sha256 the image records, so a file changed since verify image
+    fails the upload (the registry checks the digest given at the end)."""
+    if client.blob_exists(layer.digest):
+        counters.add(layer.size, sent=False)
+        return
+    # a model directory of Hugging Face's cache holds root's links into its blobs/: followed (only root's)
+    chunks = file_chunks(path, lambda p: open_following_only_roots_links(p, os.O_RDONLY))
+    stream = HashingIterator(chunks, checking(cancel), digest=layer.digest)
+    client.upload_stream(stream, lambda: stream.digest)
+    counters.add(stream.size, sent=True)
