@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from vsnap.image.store import check_parent, checksum_tree, image_lock, make_staging, publish
+from vsnap.image.store import check_parent, checksum_tree, image_lock, is_vsnap_image, make_staging, publish
 from vsnap.protocol.errors import ImageError
 
 
@@ -183,3 +183,17 @@ def test_a_standbys_image_digest_is_the_manifest_files_not_this_versions_reading
     raw["name"] = raw["name"] + "-again"
     (image / "manifest.json").write_text(json.dumps(raw))
     assert open_image(image, lock=False).digest != hashlib.sha256(data).hexdigest()
+
+
+def test_a_fifo_named_manifest_json_is_not_an_image_and_is_not_waited_on(tmp_path: Path) -> None:
+    """capture --force, pull --force and publish ask whether the directory there is an image: a
+    FIFO at its manifest.json used to hang them in open(2), waiting for a writer."""
+    import signal
+
+    os.mkfifo(tmp_path / "manifest.json", 0o600)
+    signal.signal(signal.SIGALRM, lambda *_: pytest.fail("is_vsnap_image waited on a FIFO"))
+    signal.alarm(5)
+    try:
+        assert is_vsnap_image(tmp_path) is False
+    finally:
+        signal.alarm(0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -145,3 +146,110 @@ def test_a_meminfo_without_memavailable_is_refused(tmp_path: Path) -> None:
     path.write_text("MemTotal: 1 kB\n")
     with pytest.raises(HostNotReady, match="no MemAvailable"):
         resources.mem_available(path)
+
+
+# --- hostile model directories and manifests (hostile pass h1) ---------------------------------
+
+class Blocked(Exception):
+    """Raised by a test's alarm: a read that would have blocked forever."""
+
+
+@pytest.fixture
+def bounded() -> Iterator[None]:
+    """A test that would block forever fails after 5 s instead."""
+    import signal
+
+    def alarm(*_: object) -> None:
+        raise Blocked("blocked for 5 s")
+
+    previous = signal.signal(signal.SIGALRM, alarm)
+    signal.alarm(5)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_fifo_or_a_device_named_like_the_models_json_is_refused_not_read(tmp_path: Path, bounded: None) -> None:
+    """A FIFO named model.safetensors.index.json blocked validate and capture's preflight forever;
+    a root's link to /dev/kmsg or /proc/kcore (the trust model passes both) would read without end."""
+    import os
+
+    from vsnap.protocol.errors import ImageUntrusted
+
+    directory = model(tmp_path, {"model.safetensors": 1000})
+    os.mkfifo(directory / "model.safetensors.index.json")
+    with pytest.raises(ImageUntrusted, match="not a regular file .a FIFO or a device"):
+        resources.weights_bytes(directory)
+    (directory / "model.safetensors.index.json").unlink()
+    (directory / "model.safetensors.index.json").symlink_to("/dev/zero")
+    with pytest.raises(ImageUntrusted, match="not a regular file"):
+        resources.weights_bytes(directory)
+    (directory / "model.safetensors.index.json").unlink()
+    (directory / "config.json").unlink()
+    os.mkfifo(directory / "config.json")  # (the spec refuses it; a race could put it there after)
+    with pytest.raises(ImageUntrusted, match="not a regular file"):
+        resources.loaded_share(spec(tmp_path), directory)
+
+
+def test_a_giant_or_deep_model_json_is_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from vsnap.protocol.errors import ImageUntrusted
+
+    directory = model(tmp_path, {"model.safetensors": 1000})
+    monkeypatch.setattr(resources, "MAX_MODEL_JSON_BYTES", 1 << 10)
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "x" * 2000}}))
+    with pytest.raises(ImageUntrusted, match="has 2.* bytes, over the 0 MiB"):
+        resources.weights_bytes(directory)
+    monkeypatch.undo()
+    deep = "[" * 100_000 + "]" * 100_000  # json.loads raised RecursionError: a traceback
+    (directory / "model.safetensors.index.json").write_text(deep)
+    assert resources.weights_bytes(directory) == 1000  # not an index: every top-level file
+    (directory / "config.json").write_text(deep)
+    assert resources.loaded_share(spec(tmp_path), directory) == 1.0
+
+
+def test_index_names_that_are_not_plain_file_names_count_nothing(tmp_path: Path) -> None:
+    directory = model(tmp_path, {"model.safetensors": 1000, "sub/model.safetensors": 5000},
+                      index={"a": "x\u0000y.safetensors", "b": "../../etc/shadow", "c": "..", "d": "sub/model.safetensors",
+                             "e": "model.safetensors"})
+    assert resources.weights_bytes(directory) == 1000  # a NUL raised ValueError (embedded null byte): a traceback
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": 5, "b": None}}))
+    assert resources.weights_bytes(directory) == 1000 + 0  # no name: every top-level file (sub/ is not at the top)
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": ["model.safetensors"]}))
+    assert resources.weights_bytes(directory) == 1000
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "1e999", -1, 0, 7, "x"])
+def test_a_gpu_memory_utilization_vllm_refuses_is_not_a_traceback(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, value: object) -> None:
+    monkeypatch.setattr(resources, "vllm_device", lambda: "cuda")
+    directory = model(tmp_path, {"model.safetensors": 16 * GB})
+    h200 = {"index": 0, "name": "NVIDIA H200", "memory_bytes": 100 * GB}
+    needs = resources.capture_needs(spec(tmp_path, gpu_memory_utilization=value), directory, tmp_path / "img",
+                                    [h200], meminfo(tmp_path, 24_000_000))
+    (gpu,) = [n for n in needs if n.resource == "GPU memory"]
+    assert gpu.have == 90 * GB and "gpu_memory_utilization 0.9 of GPU 0" in gpu.line
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "1e999", -1, "x"])
+def test_the_gpu_memory_a_capture_records_takes_vllms_default_for_a_share_vllm_refuses(
+        tmp_path: Path, value: object) -> None:
+    from types import SimpleNamespace
+
+    from vsnap.ops.capture import gpu_memory_required
+
+    facts = SimpleNamespace(gpus=[{"memory_bytes": 100 * GB}])  # only the GPUs are read
+    assert gpu_memory_required(spec(tmp_path, gpu_memory_utilization=value), facts) == 90 * GB  # type: ignore[arg-type]
+    assert gpu_memory_required(spec(tmp_path, gpu_memory_utilization=0.5), facts) == 50 * GB  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("value", ["many", "3000000000", 1.5e9, -1, True, [1], 1 << 60])
+def test_a_manifest_process_size_that_a_capture_does_not_write_is_refused(tmp_path: Path, value: object) -> None:
+    from vsnap.protocol.errors import ImageError
+
+    manifest = fake_image.manifest(processes=[{"pid": 1, "command": "a", "anonymous_bytes": value}])
+    with pytest.raises(ImageError, match=r"manifest.json: processes\[0\].anonymous_bytes is .*not a byte count"):
+        resources.restore_needs(manifest, meminfo(tmp_path, 3_000_000))
+    for fine in ({"pid": 1}, {"pid": 1, "anonymous_bytes": None}):
+        assert resources.restore_needs(fake_image.manifest(processes=[fine]), meminfo(tmp_path, 1))[0].need == 0

@@ -95,3 +95,25 @@ def test_never_through_a_link_nor_what_another_user_could_have_written(tmp_path:
     with pytest.raises(ControlProtocolError, match="private regular file of root's"):
         ReadyFile.claim(directory / "ready")
     assert (directory / "ready").is_dir()
+
+
+@pytest.mark.parametrize("fields", ["\u00b2 1 {boot}", "1 \u0663 {boot}", "0 1 {boot}", "99999999999999999999 1 {boot}",
+                                    "1 0 {boot}", "1 2 b", "1 2 {boot}\u0000", "+1 2 {boot}", "1 2 {BOOT}"])
+def test_a_ready_file_whose_writer_is_no_process_is_refused_not_a_traceback(tmp_path: Path, fields: str) -> None:
+    """'²'.isdigit() is true and int('²') a ValueError: a traceback at the start of vsnap serve; a
+    pid of 0 or past pid_max named no process and was removed as a dead writer's. Hostile pass h1."""
+    boot = this_process().boot_id
+    path = private_dir(tmp_path) / "ready"
+    text = f"{URL}\nvsnap-serve-ready {fields.format(boot=boot, BOOT=boot.upper())}\n"
+    path.write_text(text)
+    os.chmod(path, 0o600)
+    with pytest.raises(ControlProtocolError, match="not a ready file vsnap serve wrote; left as it is"):
+        ReadyFile.claim(path)
+    assert path.read_text() == text
+
+
+def test_the_root_directory_is_refused_as_a_ready_file_at_once() -> None:
+    """`--ready-file /` has no file name: it was taken as absent, and writing it once the server
+    served raised a bare OSError (a traceback). Hostile pass h1."""
+    with pytest.raises(ControlProtocolError, match="is a directory, not a file path for the ready file"):
+        ReadyFile.claim(Path("/"))

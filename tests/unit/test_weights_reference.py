@@ -296,3 +296,138 @@ def test_a_plan_with_no_reference_is_one_literal_extent() -> None:
     assert (plan.literal_bytes, plan.referenced_bytes) == (10, 0)
     with pytest.raises(ValueError, match="not a file name"):
         Plan("/m", (ModelFile("a/b", 1),), plan.extents).check()
+
+
+# --- hostile pass h1: model directories and plans read as hostile -----------------------------
+
+
+class Blocked(Exception):
+    """A test's alarm: an open that would have blocked forever."""
+
+
+def test_a_fifo_named_like_a_safetensors_file_is_skipped_not_opened_blocking(checkpoint: dict[str, Any]) -> None:
+    import signal
+
+    c = checkpoint
+    os.mkfifo(c["dir"] / "a-fifo.safetensors")  # os.open(O_RDONLY) of a FIFO waits for a writer: forever
+
+    def alarm(*_: object) -> None:
+        raise Blocked("the save blocked for 5 s")
+
+    previous = signal.signal(signal.SIGALRM, alarm)
+    signal.alarm(5)
+    try:
+        plan, _ = save([c["q"].copy()], c["dir"])
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert dict(plan.skipped)["a-fifo.safetensors"] == "not a regular file"
+    assert plan.referenced_bytes == 128 * KIB
+
+
+def test_tensors_that_share_their_first_block_cost_bounded_comparisons(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hostile model: N tensors with one first block, each different after it. Every candidate
+    was kept (and the list sorted again at each one: N^2 log N at indexing), and every one was
+    compared at every position the block recurs at: N x 64 KiB per 4 KiB of the pool."""
+    from vsnap.engine.adapters.vllm.weights import references
+
+    model = tmp_path / "model"
+    model.mkdir()
+    head = random_bytes(4 * KIB, 1)
+    n = 200
+    tensors = {f"t{k}": np.concatenate([head, random_bytes(60 * KIB, 100 + k)]) for k in range(n)}
+    write_safetensors(model / "model.safetensors", tensors)
+    compared = []
+    original = ReferenceMatcher._equal
+
+    def counting(self: ReferenceMatcher, data: Any, pos: int, r: Any) -> bool:
+        compared.append(r.nbytes)
+        return original(self, data, pos, r)
+
+    monkeypatch.setattr(ReferenceMatcher, "_equal", counting)
+    with ReferenceMatcher(model) as matcher:
+        assert max(len(v) for v in matcher._by_digest.values()) == references.MAX_CANDIDATES
+    # a pool of the block repeated, each copy followed by bytes no tensor has: nothing matches
+    pool = np.concatenate([np.concatenate([head, random_bytes(60 * KIB, 999)]) for _ in range(8)])
+    plan, rank = save([pool], model)
+    assert plan.referenced_bytes == 0 and rank == pool.tobytes()
+    assert len(compared) <= 8 * references.MAX_CANDIDATES  # was 8 x 200
+    # the comparison budget: past it, the rest of the tensor is literal (never wrong)
+    compared.clear()
+    monkeypatch.setattr(references, "COMPARE_SLACK", 0)
+    monkeypatch.setattr(references, "COMPARE_BUDGET", 1)
+    plan, rank = save([pool], model)
+    assert sum(compared) <= pool.size + 64 * KIB and pool_bytes(plan, rank) == pool.tobytes()
+    # the kept candidates still match
+    compared.clear()
+    monkeypatch.undo()
+    plan, rank = save([tensors["t0"].copy()], model)
+    assert pool_bytes(plan, rank) == tensors["t0"].tobytes()
+
+
+def _plan_json(checkpoint: dict[str, Any]) -> tuple[Plan, dict[str, Any]]:
+    c = checkpoint
+    plan, _ = save([c["q"].copy(), c["norm"].copy(), c["embed"].copy()], c["dir"])
+    return plan, json.loads(plan.to_json("rank0.bin"))
+
+
+@pytest.mark.parametrize("change,reason", [
+    (lambda r: r.__setitem__("format", True), "format True"),
+    (lambda r: r.__setitem__("format", 1.0), "format 1.0"),
+    (lambda r: r.__setitem__("source_rank_file", -2), "source_rank_file is -2"),
+    (lambda r: r.__setitem__("total_bytes", 1 << 60), "are not its extents'"),
+    (lambda r: r.__setitem__("literal_bytes", 0), "are not its extents'"),
+    (lambda r: r.__setitem__("rank_file", "../../etc/shadow"), "rank_file '../../etc/shadow' is not a file name"),
+    (lambda r: r.__setitem__("rank_file", "rank\u00000.bin"), "is not a file name"),
+    (lambda r: r.__setitem__("model_dir", "relative/model"), "not an absolute, normalized path"),
+    (lambda r: r.__setitem__("model_dir", "/m/../etc"), "not an absolute, normalized path"),
+    (lambda r: r.__setitem__("model_dir", "/m\u0000x"), "not an absolute, normalized path"),
+    (lambda r: r["model_files"].append(dict(r["model_files"][0])), "named twice"),
+    (lambda r: r["model_files"][0].__setitem__("path", "/etc/shadow"), "not a file name"),
+    (lambda r: r["model_files"][0].__setitem__("path", ".."), "not a file name"),
+    (lambda r: r["extents"][0].__setitem__(2, -2), "outside its model file"),
+    (lambda r: r["extents"][0].__setitem__(2, 1 << 40), "outside its model file"),
+    (lambda r: r["extents"][0].__setitem__(1, 0), "does not follow"),
+    (lambda r: r.__setitem__("extents", "abcd"), "another number of fields"),
+    (lambda r: r.__setitem__("extents", 7), "not a weights plan"),
+    (lambda r: r.__setitem__("model_files", [["path", 1]]), "not a weights plan"),
+    (lambda r: r.__setitem__("skipped_files", {"path": 1}), "not a weights plan"),
+])
+def test_a_hostile_plan_json_is_refused(checkpoint: dict[str, Any], change: Any, reason: str) -> None:
+    _, raw = _plan_json(checkpoint)
+    change(raw)
+    with pytest.raises(ValueError, match=reason):
+        Plan.from_json(json.dumps(raw))
+
+
+@pytest.mark.parametrize("text,reason", [
+    ("[" * 100_000 + "]" * 100_000, "not a weights plan"),
+    ('{"format": 1, "format": 1}', "given twice"),
+    ("1" * 5000, "digits|not a weights plan"),
+    ("null", "not a weights plan"),
+    ('"x"', "not a weights plan"),
+])
+def test_hostile_plan_text_is_refused(text: str, reason: str) -> None:
+    with pytest.raises(ValueError, match=reason):
+        Plan.from_json(text)
+
+
+def test_a_giant_plan_is_refused_before_it_is_parsed(checkpoint: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    from vsnap.engine.adapters.vllm.weights import references
+
+    plan, _ = _plan_json(checkpoint)
+    text = plan.to_json("rank0.bin")
+    monkeypatch.setattr(references, "MAX_PLAN_BYTES", len(text) - 1)
+    with pytest.raises(ValueError, match=f"{len(text)} bytes, over"):
+        Plan.from_json(text)
+
+
+def test_the_reader_names_the_model_dir_and_rank_file_it_expects(checkpoint: dict[str, Any]) -> None:
+    plan, _ = _plan_json(checkpoint)
+    text = plan.to_json("rank0.bin")
+    assert Plan.from_json(text, model_dir=plan.model_dir, rank_file="rank0.bin") == plan
+    with pytest.raises(ValueError, match="is not the image's model '/elsewhere'"):
+        Plan.from_json(text, model_dir="/elsewhere")
+    with pytest.raises(ValueError, match="rank_file 'rank0.bin' is not rank1.bin"):
+        Plan.from_json(text, rank_file="rank1.bin")

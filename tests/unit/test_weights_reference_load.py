@@ -183,3 +183,32 @@ def test_cuda_targets_take_dma_unless_told_not_to_and_fall_back_when_refused(
     with pytest.warns(UserWarning, match="copying through pinned buffers") if refused else contextlib.nullcontext():
         result = stream_plan_into(Plan("/m", (), ()), Path("/nonexistent"), [], [_CudaLike()])
     assert calls == want and result.get("weights_dma_refused") == (1.0 if refused else None)
+
+
+def test_a_fifo_in_a_model_files_place_is_refused_not_waited_on(checkpoint: dict[str, Any], tmp_path: Path) -> None:
+    """The restore's load opened the model's files blocking: a FIFO put there (after the dependency
+    check) hung the worker's load until the recover deadline. Hostile pass h1."""
+    import signal
+
+    named = _pool(checkpoint)
+    rank_path = tmp_path / "rank0.bin"
+    with open(rank_path, "wb") as f:
+        plan = write_by_reference(f, (t.numpy() for _, t in named), str(checkpoint["dir"]))
+    targets = [torch.zeros_like(t) for _, t in named]
+    os.unlink(plan.model_path(0))
+    os.mkfifo(plan.model_path(0))
+
+    class Blocked(Exception):
+        pass
+
+    def alarm(*_: object) -> None:
+        raise Blocked("the load blocked for 5 s")
+
+    previous = signal.signal(signal.SIGALRM, alarm)
+    signal.alarm(5)
+    try:
+        with pytest.raises(ValueError, match="is not a regular file; the image's weights plan reads a file there"):
+            stream_plan_into(plan, rank_path, layout(named), targets, threads=1)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)

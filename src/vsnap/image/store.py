@@ -119,7 +119,8 @@ def require_replaceable(image_dir: Path, force: bool, elsewhere: str = "capture 
 def is_vsnap_image(directory: Path) -> bool:
     """A directory holding a regular manifest.json that reads as some version of vsnap's manifest."""
     try:
-        fd = os.open(directory / MANIFEST, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        # O_NONBLOCK: a FIFO named manifest.json must be refused, not waited on
+        fd = os.open(directory / MANIFEST, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return False
     try:

@@ -506,6 +506,6 @@ def gpu_memory_required(spec: ModelSpec, facts: HostFacts) -> int | None:
     """GPU memory a restore needs free: vLLM takes gpu_memory_utilization of the GPU once awake."""
     if spec.engine != "vllm" or not facts.gpus:
         return None
-    return int(float(spec.serve.get("gpu_memory_utilization", 0.9)) * int(facts.gpus[0]["memory_bytes"]))
+    return int(resources.memory_share(spec.serve.get("gpu_memory_utilization")) * int(facts.gpus[0]["memory_bytes"]))
 
 

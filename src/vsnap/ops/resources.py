@@ -13,6 +13,7 @@ first shortfall (HostNotReady, exit 3).
 from __future__ import annotations
 
 import json
+import math
 import os
 import stat
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from vsnap.engine.adapters.vllm.rules import tensor_parallel_size
 from vsnap.engine.adapters.vllm.serve_args import given
 from vsnap.host import cuda as cuda_driver
 from vsnap.host.facts import vllm_device
-from vsnap.protocol.errors import HostNotReady
+from vsnap.protocol.errors import HostNotReady, ImageError, ImageUntrusted
 
 if TYPE_CHECKING:  # not at run time: the restore path loads neither the spec's schema nor yaml
     from vsnap.image.manifest import Manifest
@@ -41,6 +42,10 @@ BY_REFERENCE_ENV = "VSNAP_WEIGHTS_BY_REFERENCE"
 # server 1.0, 70B), so that a refusal here is certain; the capture checks the real figure once
 # the tree booted (capture.require_space).
 TREE_FLOOR = {"cpu": 128 << 20, "vllm-cpu": 1 * GiB, "vllm-cuda": 2 * GiB}
+# The largest model.safetensors.index.json or config.json read here (the largest public indexes,
+# MoE models of ~100k tensors, are ~10 MB; a config is a few KB): memory and time stay bounded
+MAX_MODEL_JSON_BYTES = 64 << 20
+MODEL_JSON_HINT = "replace it with the model's own file (download the model again)"
 
 
 @dataclass(frozen=True)
@@ -82,27 +87,79 @@ def free_disk(path: Path) -> tuple[int, Path]:
 def weights_bytes(model_dir: Path | None) -> int:
     """The bytes of the safetensors files vLLM loads: those the index names if there is one, else
     every *.safetensors at the top (a repository's other copies, e.g. consolidated.safetensors
-    beside the shards or original/, are not loaded). Links are not followed; 0 without a model
-    (the built-in engine's is tiny)."""
+    beside the shards or original/, are not loaded). Only plain file names of the index count (no
+    `/`, `..` or NUL); a file is stat'ed through a link (a Hugging Face snapshot's are links into
+    blobs/, which the trust model checks), never opened; 0 without a model (the built-in engine's
+    is tiny). An index that is not a regular file of at most MAX_MODEL_JSON_BYTES is refused
+    (ImageUntrusted)."""
     if model_dir is None:
         return 0
     names: set[str] = set()
     try:
-        index = json.loads((model_dir / "model.safetensors.index.json").read_text())
-        names = {str(v) for v in index.get("weight_map", {}).values()} if isinstance(index, dict) else set()
-    except (OSError, ValueError, AttributeError):
+        index = _model_json(model_dir / "model.safetensors.index.json")
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if isinstance(weight_map, dict):
+            names = {v for v in weight_map.values() if isinstance(v, str)}
+    except (FileNotFoundError, ValueError):  # none, or not JSON (vLLM's loader says so): every top-level file
         pass
-    paths = [model_dir / name for name in names if "/" not in name] if names else model_dir.glob("*.safetensors")
+    paths = ([model_dir / name for name in names if _plain_name(name)] if names
+             else model_dir.glob("*.safetensors"))
     total, seen = 0, set()
     for path in paths:
         try:
             st = path.stat()  # a Hugging Face snapshot's files are links into blobs/ (the trust model checks them)
-        except OSError:
+        except (OSError, ValueError):
             continue
         if stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) not in seen:
             seen.add((st.st_dev, st.st_ino))
             total += st.st_size
     return total
+
+
+def _plain_name(name: str) -> bool:
+    return bool(name) and "/" not in name and "\0" not in name and name not in (".", "..")
+
+
+def _model_json(path: Path) -> Any:
+    """A JSON file of the model directory, read as hostile: opened without blocking (a FIFO), a
+    regular file of at most MAX_MODEL_JSON_BYTES (not a device that never ends), parsed without
+    recursing without bound. FileNotFoundError if absent; ValueError if it is not JSON;
+    ImageUntrusted for a file that must not be read (its link followed: a snapshot's are links)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise ImageUntrusted(path, f"a file of the model cannot be opened ({exc.strerror})",
+                             hint=MODEL_JSON_HINT) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ImageUntrusted(path, "a file of the model is not a regular file (a FIFO or a device: reading it "
+                                       "could block or never end)", hint=MODEL_JSON_HINT)
+        if st.st_size > MAX_MODEL_JSON_BYTES:
+            raise ImageUntrusted(path, f"a file of the model has {st.st_size} bytes, over the "
+                                       f"{MAX_MODEL_JSON_BYTES >> 20} MiB a model's JSON file may have",
+                                 hint=MODEL_JSON_HINT)
+        chunks, left = [], MAX_MODEL_JSON_BYTES + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+    except OSError as exc:
+        raise ImageUntrusted(path, f"a file of the model cannot be read ({exc.strerror})",
+                             hint=MODEL_JSON_HINT) from None
+    finally:
+        os.close(fd)
+    if left <= 0:  # grew while read
+        raise ImageUntrusted(path, f"a file of the model has more than the {MAX_MODEL_JSON_BYTES >> 20} MiB "
+                                   "a model's JSON file may have", hint=MODEL_JSON_HINT)
+    try:
+        return json.loads(b"".join(chunks))
+    except RecursionError:
+        raise ValueError(f"{path} is nested too deeply") from None
 
 
 def loaded_share(spec: ModelSpec, model_dir: Path | None) -> float:
@@ -118,9 +175,11 @@ def loaded_share(spec: ModelSpec, model_dir: Path | None) -> float:
 
 
 def _config(model_dir: Path | None) -> dict[str, Any]:
+    """The model's config.json (_model_json: ImageUntrusted for a FIFO, a device or a giant file);
+    {} where it is missing or not JSON (vLLM's own reading of it says why)."""
     try:
-        config = json.loads((model_dir / "config.json").read_text()) if model_dir is not None else {}
-    except (OSError, ValueError):
+        config = _model_json(model_dir / "config.json") if model_dir is not None else {}
+    except (FileNotFoundError, ValueError):
         return {}
     return config if isinstance(config, dict) else {}
 
@@ -161,16 +220,23 @@ def capture_needs(spec: ModelSpec, model_dir: Path | None, image_dir: Path, gpus
     if where == "cuda" and gpus:
         tp = max(tensor_parallel_size(dict(spec.serve)), 1)
         per_rank = weights // tp
-        try:
-            share = float(given(spec.serve, "gpu_memory_utilization")[1] or 0.9)
-        except (TypeError, ValueError):
-            share = 0.9  # vLLM's default; the rules refuse a value vLLM would not take
+        share = memory_share(given(spec.serve, "gpu_memory_utilization")[1])
         why = ("the model's weights" + (" per rank" if tp > 1 else "")
                + (", FP8 at load" if quantized_at_load(spec, model_dir) else ""))
         for gpu in gpus[:tp]:
             needs.append(Need("GPU memory", per_rank, int(share * int(gpu["memory_bytes"])),
                               f"within gpu_memory_utilization {share:g} of GPU {gpu['index']} ({gpu['name']})", why))
     return needs
+
+
+def memory_share(value: Any) -> float:
+    """gpu_memory_utilization as a share in (0, 1]; vLLM's default 0.9 for anything else (vLLM
+    refuses such a value itself: "nan", "inf" or -1 must not become the figure of a refusal)."""
+    try:
+        share = float(value or 0.9)
+    except (TypeError, ValueError, OverflowError):
+        return 0.9
+    return share if math.isfinite(share) and 0 < share <= 1 else 0.9
 
 
 def capture_gpus(spec: ModelSpec) -> list[dict[str, Any]]:
@@ -184,9 +250,22 @@ def capture_gpus(spec: ModelSpec) -> list[dict[str, Any]]:
 def restore_needs(manifest: Manifest, meminfo: Path = MEMINFO) -> list[Need]:
     """What restoring the image takes of this host's memory: the tree's memory as it was dumped
     (its anonymous memory; the pages of files it mapped are page cache)."""
-    tree = sum(int(p.get("anonymous_bytes", 0) or 0) for p in manifest.processes)
+    tree = sum(_anonymous_bytes(k, p) for k, p in enumerate(manifest.processes))
     return [Need("host memory", tree, mem_available(meminfo), "on this host",
                  f"the tree's memory at the dump, {len(manifest.processes)} processes")]
+
+
+def _anonymous_bytes(k: int, process: Any) -> int:
+    """A manifest's processes[k].anonymous_bytes: what a capture writes (an integer from 0 to a
+    petabyte) or absent; anything else is refused (the manifest is input: a string, a float such
+    as Infinity or a negative count must not become a traceback or a need below zero)."""
+    value = process.get("anonymous_bytes", 0) if isinstance(process, dict) else None
+    if value is None and isinstance(process, dict):
+        return 0
+    if type(value) is not int or not 0 <= value <= 1 << 50:
+        raise ImageError(f"manifest.json: processes[{k}].anonymous_bytes is {str(value)[:40]!r}, "
+                         "not a byte count", hint="the image is damaged or not vsnap's: capture it again")
+    return value
 
 
 def require(needs: list[Need], action: str) -> None:

@@ -19,6 +19,7 @@ through ``on_note`` (the CLI writes one JSON line per event for log collectors).
 from __future__ import annotations
 
 import os
+import re
 import stat
 import time
 from contextlib import ExitStack
@@ -168,6 +169,13 @@ def _wait_exit(identity: ProcessIdentity | None, pid: int) -> None:
 
 READY_MARK = "vsnap-serve-ready"  # the second line of a ready file, before its writer's identity
 READY_MAX_BYTES = 4096
+PID_MAX = 1 << 22  # the kernel's largest pid_max
+BOOT_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")  # /proc/sys/kernel/random/boot_id
+
+
+def _number(text: str, limit: int) -> bool:
+    """ASCII digits of a number from 1 to ``limit`` (str.isdigit() takes '²', which int() refuses)."""
+    return text.isascii() and text.isdigit() and 0 < int(text) <= limit
 
 
 @dataclass(frozen=True)
@@ -195,6 +203,10 @@ class ReadyFile:
     def claim(cls, path: Path) -> ReadyFile:
         """The ready file at ``path``, any stale one of a vsnap serve's removed (before anything starts)."""
         path = Path(os.path.abspath(path))
+        if not path.name:  # "/": no name to write (the write, once serving, raised a bare OSError)
+            error = ControlProtocolError(path, "is a directory, not a file path for the ready file")
+            error.hint = "give --ready-file the path of a file, e.g. /run/vsnap/ready"
+            raise error
         ready = cls(make_trusted_dirs(path.parent), path.name)
         ready._remove_if(lambda writer: not is_same(writer), stale=True)
         return ready
@@ -247,7 +259,8 @@ class ReadyFile:
         lines = text.split("\n")
         fields = lines[1].split(" ") if len(lines) == 3 else []
         if (lines[-1] != "" or not lines[0].startswith(("http://", "https://")) or len(fields) != 4
-                or fields[0] != READY_MARK or not fields[1].isdigit() or not fields[2].isdigit()):
+                or fields[0] != READY_MARK or not _number(fields[1], PID_MAX) or not _number(fields[2], 1 << 64)
+                or not BOOT_ID.fullmatch(fields[3])):
             raise self._refused("not a ready file vsnap serve wrote")
         return ProcessIdentity(int(fields[1]), int(fields[2]), fields[3])
 

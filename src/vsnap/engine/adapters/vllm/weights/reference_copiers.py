@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import stat
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -97,10 +98,15 @@ def _open_source(plan: Plan, source: int, rank_path: Path) -> int:
     is opened as the weights file always is (no link followed); a model file as vLLM opens it (a
     model directory's files are often links: the trust model checks them, and their sha256)."""
     path = source_path(plan, source, rank_path)
-    flags = os.O_RDONLY | os.O_CLOEXEC | (os.O_NOFOLLOW if source == IMAGE else 0)
+    # O_NONBLOCK: a FIFO put in a file's place must not hang the load (it is refused below)
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (os.O_NOFOLLOW if source == IMAGE else 0)
     fd = os.open(path, flags)
     try:
-        size, want = os.fstat(fd).st_size, plan.literal_bytes if source == IMAGE else plan.files[source].size
+        st = os.fstat(fd)
+        size, want = st.st_size, plan.literal_bytes if source == IMAGE else plan.files[source].size
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{'' if source == IMAGE else 'model file '}{path} is not a regular file; the image's "
+                             "weights plan reads a file there")
         if size != want:
             if source == IMAGE:
                 raise ValueError(f"{path} has {size} bytes; the weights plan needs {want}")

@@ -49,6 +49,16 @@ MIN_REFERENCE = 64 << 10  # smaller matches stay literal: not worth an extent (n
 STEP = 4096  # after a literal stretch, candidate starts are this far apart
 COMPARE_CHUNK = 8 << 20  # bytes compared at a time against a model file's mapping
 SCAN_WINDOW = 1 << 16  # candidate starts looked up at a time
+# A hostile model's tensors can share their first block and differ after it: every candidate is
+# compared at every position that block recurs at. At most MAX_CANDIDATES ranges (the longest) are
+# kept per first block (a real model has one, two with a tensor-parallel slice or a tied copy),
+# and a match() compares at most COMPARE_BUDGET x the pool tensor's bytes plus COMPARE_SLACK
+# (equal ranges cost their bytes once; a real model's failed comparisons are few): past it the
+# rest of the tensor is literal. Never wrong, only larger; bounded time on any model directory.
+MAX_CANDIDATES = 16
+COMPARE_BUDGET = 2
+COMPARE_SLACK = 256 << 20
+MAX_PLAN_BYTES = 16 << 20  # a plan's JSON (an 8B model's: ~20 KB): from_json reads no more
 PLAN_FORMAT = 1
 EXTENT_FIELDS = ("pool_offset", "nbytes", "source", "offset")
 
@@ -116,7 +126,10 @@ class Plan:
             at += nbytes
         for f in self.files:
             if not _plain_name(f.path) or f.size < 0:
-                raise ValueError(f"weights plan: model file {f.path!r} is not a file name of the model directory")
+                raise ValueError(f"weights plan: model file {f.path[:200]!r} is not a file name of the model directory")
+        if ("\0" in self.model_dir or not os.path.isabs(self.model_dir)
+                or os.path.normpath(self.model_dir) != self.model_dir):
+            raise ValueError(f"weights plan: model_dir {self.model_dir[:200]!r} is not an absolute, normalized path")
 
     def to_json(self, rank_file: str) -> str:
         """The plan for people and the host: the counts first, then one line per extent."""
@@ -132,22 +145,53 @@ class Plan:
         return f'{head.removesuffix("}").rstrip()},\n "extents": [\n  {lines}\n ]\n}}\n'
 
     @classmethod
-    def from_json(cls, text: str) -> Plan:
-        """The plan a to_json wrote; ValueError for anything else (checked as check() does)."""
+    def from_json(cls, text: str | bytes, *, model_dir: str | None = None, rank_file: str | None = None) -> Plan:
+        """The plan a to_json wrote; ValueError for anything else (checked as check() does). The
+        JSON is image content, read as hostile: at most MAX_PLAN_BYTES, no key given twice, its
+        counts those of its extents, ``model_dir`` an absolute normalized path (and, if given, the
+        one the caller expects: the manifest's launch.model), ``rank_file`` a plain file name (and,
+        if given, this one)."""
+        if len(text) > MAX_PLAN_BYTES:
+            raise ValueError(f"not a weights plan: {len(text)} bytes, over {MAX_PLAN_BYTES}")
         try:
-            raw = json.loads(text)
-            if raw["format"] != PLAN_FORMAT or raw["extent_fields"] != list(EXTENT_FIELDS):
-                raise ValueError(f"weights plan of format {raw['format']!r}, not {PLAN_FORMAT}")
+            raw = json.loads(text, object_pairs_hook=_no_duplicates)
+            if type(raw["format"]) is not int or raw["format"] != PLAN_FORMAT or raw["extent_fields"] != list(EXTENT_FIELDS):
+                raise ValueError(f"weights plan of format {_shown(raw['format'])}, not {PLAN_FORMAT}")
+            if type(raw["source_rank_file"]) is not int or raw["source_rank_file"] != IMAGE:
+                raise ValueError(f"weights plan: source_rank_file is {_shown(raw['source_rank_file'])}, not {IMAGE}")
             plan = cls(model_dir=_str(raw["model_dir"]),
                        files=tuple(ModelFile(_str(f["path"]), _int(f["size"])) for f in raw["model_files"]),
                        extents=tuple(Extent(*map(_int, e)) for e in raw["extents"] if len(e) == len(EXTENT_FIELDS)),
                        skipped=tuple((_str(s["path"]), _str(s["reason"])) for s in raw["skipped_files"]))
             if len(plan.extents) != len(raw["extents"]):
                 raise ValueError("an extent has another number of fields")
+            named = _str(raw["rank_file"])
+            counts = (_int(raw["total_bytes"]), _int(raw["referenced_bytes"]), _int(raw["literal_bytes"]))
         except (KeyError, TypeError, AttributeError, RecursionError) as exc:
-            raise ValueError(f"not a weights plan ({type(exc).__name__}: {exc})") from None
+            raise ValueError(f"not a weights plan ({type(exc).__name__}: {str(exc)[:200]})") from None
         plan.check()
+        if not _plain_name(named) or (rank_file is not None and named != rank_file):
+            raise ValueError(f"weights plan: rank_file {named[:200]!r} is not {rank_file or 'a file name'}")
+        if counts != (plan.total_bytes, plan.referenced_bytes, plan.literal_bytes):
+            raise ValueError(f"weights plan: total, referenced and literal bytes {counts} are not its extents' "
+                             f"{(plan.total_bytes, plan.referenced_bytes, plan.literal_bytes)}")
+        if model_dir is not None and plan.model_dir != model_dir:
+            raise ValueError(f"weights plan: model_dir {plan.model_dir[:200]!r} is not the image's model {model_dir!r}")
+        if len({f.path for f in plan.files}) != len(plan.files):
+            raise ValueError("weights plan: a model file is named twice")
         return plan
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:40] + "..."
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        raise TypeError("a key is given twice")
+    return result
 
 
 def _plain_name(name: str) -> bool:
@@ -210,6 +254,7 @@ class ReferenceMatcher:
         self._maps: list[mmap.mmap] = []
         self._views: list[Any] = []  # a uint8 array over each map
         self._by_digest: dict[bytes, list[CheckpointRange]] = {}
+        self._budget = 0  # bytes match() may still compare
         try:
             keys = self._index(Path(model_dir), parts)
         except BaseException:
@@ -248,17 +293,18 @@ class ReferenceMatcher:
                     block = view[r.offset:r.offset + BLOCK]
                     if block.min() == block.max():  # one byte repeated: would match every such stretch
                         continue
-                    entries = self._by_digest.setdefault(_digest(block), [])
-                    entries.append(r)
-                    entries.sort(key=lambda c: -c.nbytes)  # longest first
+                    self._by_digest.setdefault(_digest(block), []).append(r)
                     keys.add(_key(block))
+        for entries in self._by_digest.values():  # once, not per range: n ranges of one block cost n log n
+            entries.sort(key=lambda c: -c.nbytes)  # longest first
+            del entries[MAX_CANDIDATES:]
         return keys
 
     def _open(self, path: Path) -> list[CheckpointTensor] | None:
         """The file's tensors, its map and view appended; None (and the reason in ``skipped``) if
         it is left out."""
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO must not block the save
         except OSError as exc:
             self.skipped.append((path.name, f"cannot be opened: {exc.strerror}"))
             return None
@@ -287,7 +333,8 @@ class ReferenceMatcher:
         (position in data, range), in order, not overlapping."""
         found: list[tuple[int, CheckpointRange]] = []
         n, p = data.size, 0
-        while self._keys.size and n - p >= self.min_reference:
+        self._budget = COMPARE_BUDGET * n + COMPARE_SLACK
+        while self._keys.size and n - p >= self.min_reference and self._budget > 0:
             at: int = p
             hit = self._at(data, p)
             if hit is None:
@@ -311,11 +358,15 @@ class ReferenceMatcher:
                 hit = self._at(data, pos + int(k) * self.step)
                 if hit is not None:
                     return pos + int(k) * self.step, hit
+                if self._budget <= 0:
+                    return pos, None
             pos += m * self.step
         return pos, None
 
     def _at(self, data: Any, pos: int) -> CheckpointRange | None:
         for r in self._by_digest.get(_digest(data[pos:pos + BLOCK]), ()):
+            if self._budget <= 0:
+                return None
             if pos + r.nbytes <= data.size and self._equal(data, pos, r):
                 return r
         return None
@@ -324,6 +375,7 @@ class ReferenceMatcher:
         view = self._views[r.file]
         for a in range(0, r.nbytes, COMPARE_CHUNK):
             b = min(a + COMPARE_CHUNK, r.nbytes)
+            self._budget -= b - a
             if not np.array_equal(data[pos + a:pos + b], view[r.offset + a:r.offset + b]):
                 return False
         return True
@@ -429,8 +481,10 @@ def _pwrite_all(fd: int, data: Any, offset: int) -> None:
 
 def _file_holds(path: Path, offset: int, data: Any) -> bool:
     """Whether the model file holds ``data`` at ``offset`` (read-only, in chunks)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO must not block the refresh
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False  # the reference becomes literal
         for a in range(0, data.size, COMPARE_CHUNK):
             b = min(a + COMPARE_CHUNK, data.size)
             chunk = os.pread(fd, b - a, offset + a)
