@@ -10,7 +10,9 @@ REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
 SHAPE=${SHAPE:-tiny}
 RESULTS=${OUT:-/tmp/vsnap-gpu-out}   # the device tool brings back only a few files: all logs go
-OUT=$RESULTS/run-$SHAPE               # into run-SHAPE/, packed as SHAPE-logs.tgz at the end
+# TAG: SHAPE, "-ref" added with VSNAP_WEIGHTS_BY_REFERENCE=1 (a run of each in one call keeps both)
+TAG=$SHAPE$([ "${VSNAP_WEIGHTS_BY_REFERENCE:-}" = 1 ] && echo -ref)
+OUT=$RESULTS/run-$TAG                 # into run-TAG/, packed as TAG-logs.tgz at the end
 PY=${PY:-/opt/torch/.venv/bin/python3}
 PORT=${PORT:-8011}
 RESTORE_ARGS=${RESTORE_ARGS:-}   # e.g. "--gpu 0": added to every restore and activate
@@ -56,7 +58,7 @@ if [ $rc -ne 0 ]; then
   cat "$OUT/capture.json"; tail -40 "$OUT/engine-capture-tail.log"; exit 20
 fi
 cp "$IMAGE/logs/engine.log" "$OUT/engine-capture.log"
-grep "^vsnap:" "$OUT/engine-capture.log" | cut -c1-300
+grep "^vsnap:" "$OUT/engine-capture.log" | cut -c1-800  # the weights line's referenced_bytes come after ~420 characters
 nvidia-smi --query-gpu=memory.used --format=csv,noheader > "$OUT/gpu-after-capture.txt"
 
 for n in 1 2; do
@@ -103,5 +105,5 @@ nvidia-smi --query-gpu=memory.used --format=csv,noheader > "$OUT/gpu-after.txt"
 pgrep -f "vsnap.engine $WORK" > "$OUT/leftover-pids.txt" && echo "LEFTOVER PROCESSES" || echo "no process left"
 
 "$PY" scripts/gpu_record.py "$OUT" "$IMAGE" "$SHAPE"
-cp "$OUT/record.json" "$RESULTS/record-$SHAPE.json"
-tar -C "$OUT" -czf "$RESULTS/$SHAPE-logs.tgz" .
+cp "$OUT/record.json" "$RESULTS/record-$TAG.json"
+tar -C "$OUT" -czf "$RESULTS/$TAG-logs.tgz" .

@@ -10,7 +10,8 @@
 #   then each restored, its oracle checked over HTTP and stopped; a table last.
 # MODE=bench: `vsnap bench --runs ${RUNS:-2} --cold-runs 1 --no-standby` per family, one after the
 #   other; the records go to $OUT/bench/.
-# The call must carry .carry/vllm-parts-00 and .carry/criu (see ../shared/device/README.md).
+# The call must carry .carry/vllm-parts-00 and .carry/criu (see ../shared/device/README.md); on vLLM 0.33
+# (scripts/gpu-install-vllm033.sh first, same warm machine): VLLM_SITE=/tmp/site033 and only .carry/criu.
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
@@ -24,6 +25,13 @@ mkdir -p "$OUT/families" "$WORK" && chmod 700 "$WORK"
 log() { echo "[$(date +%H:%M:%S)] $*"; }
 . "$REPO/scripts/gpu-env.sh"
 
+# ~3 GB an image (docs/benchmarks/families-h200-2026-12-01.md), all captured at once. On a machine kept
+# warm since gpu-e2e.sh, gpu-bench.sh or gpu-side-by-side.sh, their 8B models, images and vllm
+# artifact (up to ~60 GB of the 64 GiB disk) would make the captures run out of disk halfway.
+if [ "$(df -B1G --output=avail /tmp | tail -1 | tr -dc 0-9)" -lt $(( $(wc -w <<<"$FAMILIES") * 4 + 4 )) ]; then
+  log "$(df -h --output=avail /tmp | tail -1 | tr -d ' ') free: removing the 8B scratch of the other GPU scripts"
+  rm -rf $WORK/images/8b $WORK/images/bench-8b $M/8b-llama /tmp/vsnap-sbs/{model.ok,hf,images,vllm-snapshots}
+fi
 log "write the test models"
 "$PY" scripts/make_test_model.py $M/tiny-llama --shape tiny >/dev/null || exit 12
 "$PY" scripts/make_test_model.py $M/tiny-fp8 --shape tiny --fp8 >/dev/null || exit 12

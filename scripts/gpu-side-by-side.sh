@@ -159,6 +159,21 @@ def first(url, model, t0, timeout, pid=0):
     return rc
 
 
+def port_open(url, t0, timeout):
+    """Run beside a restore command: from t0, when the port first accepted a TCP connection (no
+    request is sent: a completion there could batch with the restore's own check)."""
+    host, port = url.split("//")[1].rsplit(":", 1)
+    t0 = float(t0)
+    while time.time() < t0 + float(timeout):
+        try:
+            socket.create_connection((host, int(port)), timeout=0.5).close()
+            print(json.dumps({"port_open_s": round(time.time() - t0, 3)}))
+            return 0
+        except OSError:
+            time.sleep(0.01)
+    return 1
+
+
 def outputs(url, model, out):
     """32 prompts x 16 greedy tokens, one request at a time: vsnap bench's own prompts and requests."""
     from vsnap.ops.bench.outputs import BENCH_TOKENS, bench_prompts, completions
@@ -520,10 +535,16 @@ PYV
 }
 # result NAME RC SECONDS MESSAGE-FILE [vsnap --json output]: one restore's result document
 result() {
-  "$PY" - "$RES/$1-first.json" "$2" "$3" "$(why "$4")" "${5:-}" > "$RES/$1.json" <<'PYR'
+  "$PY" - "$RES/$1-first.json" "$2" "$3" "$(why "$4")" "${5:-}" "$RES/$1-port.json" > "$RES/$1.json" <<'PYR'
 import json, sys
 doc = json.load(open(sys.argv[1]))
 doc.update(rc=int(sys.argv[2]), command_s=float(sys.argv[3]))
+try:  # the port as seen while the command ran (first() polls only after it returned)
+    early = json.load(open(sys.argv[6]))["port_open_s"]
+    if doc.get("port_open_s") is None or early < doc["port_open_s"]:
+        doc["port_open_s"] = early
+except (OSError, ValueError, KeyError, TypeError):
+    pass
 if sys.argv[5]:
     try:
         out = json.load(open(sys.argv[5]))
@@ -540,25 +561,29 @@ PYR
 # restore_vllm NAME PORT [VAR=VALUE...]: `vllm snapshot restore`, timed from its start to its return
 # and to the first completion; $RES/vllm-NAME.json; its exit status
 restore_vllm() {
-  local name=vllm-$1 port=$2 t rc; shift 2
+  local name=vllm-$1 port=$2 t rc poller; shift 2  # the poller: python itself (not via H), so that kill ends it
   t=$(now)
+  rm -f "$RES/$name-port.json"; "${HPY[@]}" port_open "http://127.0.0.1:$port" "$t" 300 > "$RES/$name-port.json" 2>/dev/null & poller=$!
   timeout --kill-after=20 "$(cap 240)" "${VLLM_ENV[@]}" "$@" "${VLLM_CLI[@]}" snapshot restore "$SNAP" \
     --host 127.0.0.1 --port "$port" > "$LOGS/$name.log" 2>&1; rc=$?
   local took; took=$(secs "$t" "$(now)")
   if [ $rc = 0 ]; then VLLM_ROOT=$(H pids "$SNAP" | cut -d" " -f1); H first "http://127.0.0.1:$port" "$REPO_ID" "$t" 120 > "$RES/$name-first.json"
   else echo '{}' > "$RES/$name-first.json"; fi
+  kill "$poller" 2>/dev/null; wait "$poller" 2>/dev/null
   result "$name" "$rc" "$took" "$LOGS/$name.log"
   return $rc
 }
 # restore_vsnap NAME PORT [args...]: `vsnap restore --detach --json`, timed the same way
 restore_vsnap() {
-  local name=vsnap-$1 port=$2 t rc; shift 2
+  local name=vsnap-$1 port=$2 t rc poller; shift 2
   t=$(now)
+  rm -f "$RES/$name-port.json"; "${HPY[@]}" port_open "http://127.0.0.1:$port" "$t" 300 > "$RES/$name-port.json" 2>/dev/null & poller=$!
   timeout --kill-after=20 "$(cap 180)" "${VSNAP[@]}" restore "$IMAGE" --port "$port" --detach --json "$@" \
     > "$RES/$name-out.json" 2> "$LOGS/$name.err"; rc=$?
   local took; took=$(secs "$t" "$(now)")
   if [ $rc = 0 ]; then VSNAP_LIVE=1; H first "http://127.0.0.1:$port" "$REPO_ID" "$t" 120 > "$RES/$name-first.json"
   else echo '{}' > "$RES/$name-first.json"; fi
+  kill "$poller" 2>/dev/null; wait "$poller" 2>/dev/null
   result "$name" "$rc" "$took" "$RES/$name-out.json" "$RES/$name-out.json"
   return $rc
 }
@@ -600,6 +625,14 @@ log "0. environment (${ENV_SCRIPT:-scripts/gpu-env.sh}, VLLM_SITE=$VLLM_SITE)"
 [ -f "$VLLM_SITE/.vsnap-installed" ] || { fail env "no vLLM 0.33 in $VLLM_SITE: run scripts/gpu-install-vllm033.sh first"; exit 10; }
 [ -x "$CKPT_DIR/cuda-checkpoint" ] || { fail env "no $CKPT_DIR/cuda-checkpoint: carry .carry/cuda-checkpoint"; exit 10; }
 command -v ps > /dev/null || { fail env "no ps (vllm snapshot's inventory and this script need it)"; exit 10; }
+# This run needs ~45 GB of the 64 GiB disk (model 16, vllm artifact, vsnap image ~21). On a machine kept
+# warm since gpu-e2e.sh / gpu-bench.sh, their 8B model and images (~16 + 20 GB) would leave too little:
+# that scratch (remade by those scripts when absent) goes first.
+if [ "$(df -B1G --output=avail /tmp | tail -1 | tr -dc 0-9)" -lt 50 ] && { [ -e /tmp/vsnap-gpu/images ] || [ -e /tmp/models ]; }; then
+  log "$(df -h --output=avail /tmp | tail -1 | tr -d ' ') free: removing the other GPU scripts' scratch (/tmp/vsnap-gpu/images, /tmp/models)"
+  put host.removed_for_disk "$(jstr "$(du -sh /tmp/vsnap-gpu/images /tmp/models 2>/dev/null | tr '\t\n' ' ;')")"
+  rm -rf /tmp/vsnap-gpu/images /tmp/models
+fi
 if [ "$(cat "$WORK/model.ok" 2>/dev/null)" != "$REV" ]; then  # step 1 starts now, beside step 0 (GPU and disk vs CPU)
   log "1. the 8B model into $MODEL_DIR (in the background)"
   rm -rf "$WORK/hf" "$WORK/model.ok" "$WORK/modified.json" && mkdir -p "$MODEL_DIR" && T_MODEL=$(now)

@@ -35,7 +35,7 @@
 #        (scripts/fatbin-sm90.py) in torch, NCCL, vLLM and torchvision;  4) tar | xz, split into
 #        <= PART_MIB MiB parts, one folder per part;  5) print the install recipe.
 #
-# Env knobs: PART_MIB=60; XZ_OPTS="-9 -T1" (one core: this VM is shared); PY=python3;
+# Env knobs: PART_MIB=50; XZ_OPTS="-9 -T1" (one core: this VM is shared); PY=python3;
 #            CARRY_DIR (default ./.carry); KEEP_STAGE=DIR keeps the pruned site dir (for an
 #            import trace); KEEP_TORCH_INCLUDE=0 drops torch/include (C++ headers: only needed
 #            to build C++ extensions or inductor's C++ backend; 41 MB unpacked); SKIP_XZ=1
@@ -50,7 +50,7 @@ WORK="$(mktemp -d "${TMPDIR:-/var/tmp}/vllm033-carry.XXXXXX")"
 trap 'rm -rf "$WORK"' EXIT
 STAGE="$WORK/site"
 PY="${PY:-python3}"
-PART_MIB="${PART_MIB:-60}"
+PART_MIB="${PART_MIB:-50}"  # 50: a call carries a part plus the working tree (~4 MB) well under 64 MiB
 XZ_OPTS="${XZ_OPTS:--9 -T1}"
 KEEP_TORCH_INCLUDE="${KEEP_TORCH_INCLUDE:-1}"
 STRIP="${STRIP:-1}"

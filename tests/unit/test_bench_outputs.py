@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -69,3 +70,13 @@ def test_nan_logprob_is_a_difference() -> None:
 def test_different_prompt_counts_are_refused() -> None:
     with pytest.raises(ValueError):
         compare_outputs([([1], [0.0])], [])
+
+
+def test_an_engine_note_keeps_the_weights_split_that_comes_late_in_its_line(tmp_path: Path) -> None:
+    """A weights line by reference names referenced_bytes and literal_bytes after ~420 characters:
+    the record cut lines at 400, so a bench by reference lost them."""
+    from vsnap.ops.bench.record import NOTE_PREFIX, engine_notes
+
+    line = NOTE_PREFIX + " weights file written " + "x" * 420 + " referenced_bytes=16059990016 literal_bytes=577060864"
+    (tmp_path / "engine.log").write_text("other line\n" + line + "\n")
+    assert engine_notes(tmp_path / "engine.log") == [line]
