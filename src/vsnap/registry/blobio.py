@@ -16,7 +16,7 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, TypeVar
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 from vsnap.image.manifest import FileEntry
 from vsnap.image.store import PIECE
@@ -172,12 +172,19 @@ def write_blob(chunks: Iterable[bytes], layer: Layer, entry: FileEntry, fd: int,
         reader = zstd.ZstdDecompressor().stream_reader(source, read_size=CHUNK, read_across_frames=True)
     else:
         reader = source
-    digest = FileDigest()
+    # the file's digest by its entry's scheme: a whole-file sha256 (any size for a model file, at
+    # most a piece for an image file), else the pieces'. A raw layer's blob sha256 is a whole-file
+    # sha256 already: its bytes are hashed once, not twice
+    blob_is_file = layer.encoding == "raw" and entry.scheme == "sha256"
+    digest: Any = FileDigest() if entry.scheme != "sha256" else None if blob_is_file else hashlib.sha256()
+    size = 0
     try:
         while data := reader.read(CHUNK):
-            if digest.size + len(data) > entry.size:
+            if size + len(data) > entry.size:
                 raise mismatch(f"holds more than the {entry.size} bytes manifest.json records")
-            digest.update(data)
+            size += len(data)
+            if digest is not None:
+                digest.update(data)
             if len(data) == CHUNK and data == _ZEROS:
                 os.lseek(fd, len(data), os.SEEK_CUR)  # a hole: sparse files stay sparse
             else:
@@ -195,13 +202,13 @@ def write_blob(chunks: Iterable[bytes], layer: Layer, entry: FileEntry, fd: int,
             pass
         _require_blob(source, layer, mismatch)
         raise mismatch(f"is not a valid zstd stream ({exc})") from None
-    os.ftruncate(fd, digest.size)
+    os.ftruncate(fd, size)
     _require_blob(source, layer, mismatch)
-    if digest.size != entry.size:
-        raise mismatch(f"holds {digest.size} bytes; manifest.json records {entry.size}")
-    if digest.hexdigest() != entry.digest:
-        raise mismatch(f"does not match manifest.json (expected {entry.digest[:16]}…, found "
-                       f"{digest.hexdigest()[:16]}…)")
+    if size != entry.size:
+        raise mismatch(f"holds {size} bytes; manifest.json records {entry.size}")
+    found = source.sha.hexdigest() if digest is None else digest.hexdigest()
+    if found != entry.digest:
+        raise mismatch(f"does not match manifest.json (expected {entry.digest[:16]}…, found {found[:16]}…)")
 
 
 def _require_blob(source: _CountingSource, layer: Layer, mismatch: Callable[[str], ArtifactError]) -> None:
