@@ -152,6 +152,8 @@ def test_validate_and_inspect(captured: CapturedImage) -> None:
     assert sum(p["anonymous_bytes"] for p in processes) > captured.manifest.sizes["criu_bytes"] // 2
     table = run_vsnap("inspect", str(captured.image))
     assert table.returncode == 0 and "[heap]" in table.stdout and f"process {processes[0]['pid']}" in table.stdout
+    model = captured.manifest.model_files()  # config.json and model.safetensors of the built-in engine's model
+    assert set(model) >= {"config.json", "model.safetensors"} and f"{len(model)} of them the model's" in table.stdout
     spec_check = run_vsnap("validate", str(captured.spec))
     assert spec_check.returncode == 0 and "criu" in spec_check.stdout
 

@@ -38,7 +38,7 @@ def inspect(
         ("control dir", manifest.control_dir),
         ("oracle", f"{len(manifest.oracle.samples)} prompts x {manifest.launch.oracle_max_tokens} tokens, "
                    f"top-{manifest.launch.oracle_top_k}, tolerance {manifest.launch.oracle_tolerance:g}"),
-        ("depends on", f"{len(manifest.dependencies)} host files"),
+        ("depends on", f"{len(manifest.dependencies)} host files, {model_line(manifest.model_files())}"),
         ("capture", ", ".join(f"{k} {v:.2f}s" for k, v in manifest.timings.items())),
     ]
     weights = sum(e.size for rel, e in manifest.files.items() if rel.startswith(WEIGHTS_DIR + "/"))
@@ -48,6 +48,11 @@ def inspect(
     for key, value in rows:
         table.add_row(key, escape(_render.clean(value)))  # values hold "[heap]" and paths, not markup or ESC
     _render.stdout.print(table)
+
+
+def model_line(files: dict) -> str:
+    """The model's share of the dependencies: what `vsnap push --model` sends beside the image."""
+    return f"{len(files)} of them the model's ({sum(dep.size for dep in files.values()) / 1e6:.1f} MB)"
 
 
 def process_line(process: dict) -> str:
