@@ -222,16 +222,21 @@ def test_the_deployment_restores_the_captured_and_prepulled_image_on_the_probed_
     assert service["ports"][0]["targetPort"] == "http"
     assert container(job, "capture")["args"][0].split()[-2:] == ["/etc/vsnap/model.yaml", "--force"]
     push = container(job, "push")["command"]
-    assert push[:3] == ["vsnap", "push", image]
-    # the DaemonSet pulls that reference to that path, on the hostPath the serving pods mount
-    listed = dict(line.split() for line in docs["ConfigMap/vsnap-prepull"]["data"]["images"].splitlines()
-                  if line.strip() and not line.startswith("#"))
+    assert push[:3] == ["vsnap", "push", image] and push[4:] == ["--model"]  # the model's files travel too
+    model_dir = model_spec()["model"]
+    assert mounts(job, "push")[str(Path(model_dir).parent)][1] == mounts(serve, "server")[str(Path(model_dir).parent)][1]
+    # the DaemonSet pulls that reference to that path, and the model into the directory the image
+    # records, on the hostPaths the serving pods mount
+    listed = {line.split()[0]: line.split()[1:] for line in docs["ConfigMap/vsnap-prepull"]["data"]["images"].splitlines()
+              if line.strip() and not line.startswith("#")}
     name = Path(image).name
-    assert listed[name] == push[3]
+    assert listed[name] == [push[3], model_dir]
     script = container(daemonset, "prepull")["args"][0]
-    assert 'vsnap pull "$ref" --to "/var/lib/vsnap/images/$name"' in script
+    assert 'vsnap pull "$ref" --to "/var/lib/vsnap/images/$name" ${model_dir:+--model-dir "$model_dir"}' in script
     images_volume = mounts(daemonset, "prepull")["/var/lib/vsnap/images"][1]
     assert images_volume == mounts(serve, "server")[str(Path(image).parent)][1]
+    models_volume = mounts(daemonset, "prepull")[str(Path(model_dir).parent)][1]
+    assert models_volume["hostPath"]["path"] == mounts(serve, "server")[str(Path(model_dir).parent)][1]["hostPath"]["path"]
     assert container(daemonset, "prepull")["image"] == container(serve, "server")["image"]
 
 
