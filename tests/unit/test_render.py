@@ -104,3 +104,47 @@ def test_progress_goes_through_rich_when_rich_would_draw(monkeypatch) -> None:
     assert _render.PhaseProgress()._plain
     _render.stderr  # noqa: B018 (a console made, or put in place by a test: it is used)
     assert not _render.PhaseProgress()._plain
+
+
+def test_a_long_transfer_reports_its_bytes_at_most_twice_a_second_from_any_thread(monkeypatch) -> None:
+    import threading
+
+    from vsnap.host import events
+
+    clock = [100.0]
+    monkeypatch.setattr(events.time, "monotonic", lambda: clock[0])
+    seen: list = []
+    progress = events.Timings(seen.append).progress("download blobs", 4 << 30)
+    workers = [threading.Thread(target=lambda: [progress.add(1 << 20) for _ in range(1024)]) for _ in range(4)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    assert seen == [] and progress.done_bytes == 4 << 30  # no time passed: counted, not reported
+    clock[0] += events.ByteProgress.EVERY_S
+    progress.add(1)
+    assert seen == [events.PhaseEvent("download blobs", "progress", None, (4 << 30) + 1, 4 << 30)]
+
+
+def test_a_transfers_progress_is_one_line_every_ten_seconds_in_a_log(monkeypatch) -> None:
+    import sys
+
+    from vsnap.cli import _render
+    from vsnap.host.events import PhaseEvent
+
+    clock = [1000.0]
+    monkeypatch.setattr(_render.time, "monotonic", lambda: clock[0])
+    for name in ("FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delitem(_render.__dict__, "stderr", raising=False)
+    log = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", log)
+    progress = _render.PhaseProgress()
+    progress(PhaseEvent("download blobs", "start"))
+    for second in range(1, 26):
+        clock[0] += 1
+        progress(PhaseEvent("download blobs", "progress", None, second * 2_000_000_000, 50_000_000_000))
+    progress(PhaseEvent("download blobs", "done", 25.0))
+    lines = log.getvalue().splitlines()
+    assert lines == ["  download blobs 20.00 of 50.00 GB, 2.00 GB/s", "  download blobs 40.00 of 50.00 GB, 2.00 GB/s",
+                     "✓ download blobs     25.00 s"]

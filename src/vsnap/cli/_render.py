@@ -18,6 +18,7 @@ import json
 import os
 import re
 import sys
+import time
 from typing import TYPE_CHECKING, Any, Iterable
 
 from vsnap.host.events import PhaseEvent
@@ -106,6 +107,8 @@ class PhaseProgress:
         self._console = console
         self._plain = console is None and _stderr_is_plain()  # then rich is never imported for it
         self._status: Any = None
+        self._started: dict[str, tuple[float, int]] = {}  # phase -> when its first progress came, and its bytes
+        self._printed_at = time.monotonic()
 
     @property
     def console(self) -> Console:
@@ -114,6 +117,9 @@ class PhaseProgress:
         return self._console
 
     def __call__(self, event: PhaseEvent) -> None:
+        if event.state == "progress":
+            self._progress(event)
+            return
         if self._plain:
             if event.state != "start":  # what rich writes to a file: the mark and the text, no styles
                 mark = "✓" if event.state == "done" else "✗"
@@ -130,6 +136,24 @@ class PhaseProgress:
             self._status = None
         mark = "[green]✓[/]" if event.state == "done" else "[red]✗[/]"
         self.console.print(f"{mark} {escape(f'{event.phase:<16}')} {event.seconds or 0:7.2f} s")
+
+    PLAIN_EVERY_S = 10.0  # a log (not a terminal) gets a progress line at most this often
+
+    def _progress(self, event: PhaseEvent) -> None:
+        """A long transfer's bytes: the spinner's text on a terminal, a line every PLAIN_EVERY_S
+        in a log."""
+        now = time.monotonic()
+        started = self._started.setdefault(event.phase, (now, event.done_bytes or 0))
+        done, total = event.done_bytes or 0, event.total_bytes or 0
+        rate = (done - started[1]) / max(now - started[0], 1e-6)
+        text = f"{event.phase} {done / 1e9:.2f} of {total / 1e9:.2f} GB, {rate / 1e9:.2f} GB/s"
+        if self._plain:
+            if now - self._printed_at >= self.PLAIN_EVERY_S:
+                self._printed_at = now
+                sys.stderr.write(clean(f"  {text}") + "\n")
+                sys.stderr.flush()
+        elif self._status is not None:
+            self._status.update(escape(f"{text}…"))
 
     def close(self) -> None:
         if self._status is not None:

@@ -93,7 +93,8 @@ def _serve(spec: Path, host: str, port: int, gpu: str | None, capture: bool, rea
     ready = ReadyFile.claim(ready_file) if ready_file is not None else None  # before anything could be ready
 
     def on_event(event: PhaseEvent) -> None:
-        emit("phase", phase=event.phase, state=event.state, seconds=event.seconds)
+        if event.state != "progress":  # one event per phase for log collectors, not a byte count
+            emit("phase", phase=event.phase, state=event.state, seconds=event.seconds)
         _still_stopping()
 
     def on_note(kind: str, detail: dict[str, object]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -13,8 +14,10 @@ from typing import Callable, Iterator, Literal
 @dataclass(frozen=True)
 class PhaseEvent:
     phase: str
-    state: Literal["start", "done", "failed"]
+    state: Literal["start", "done", "failed", "progress"]
     seconds: float | None = None
+    done_bytes: int | None = None   # "progress": how far a long phase (a push's or pull's transfer) is
+    total_bytes: int | None = None
 
 
 ProgressCallback = Callable[[PhaseEvent], None]
@@ -64,6 +67,11 @@ class Timings:
         self._on_event(PhaseEvent(name, "done", self.seconds[name]))
         failpoint(f"after {name}")
 
+    def progress(self, name: str, total_bytes: int) -> "ByteProgress":
+        """A counter for phase ``name`` (running) that reports its bytes at most every
+        ByteProgress.EVERY_S, from any thread."""
+        return ByteProgress(name, total_bytes, self._on_event)
+
     def add(self, name: str, seconds: float) -> None:
         """Record a phase measured elsewhere (for example inside the engine tree)."""
         self.seconds[name] = seconds
@@ -71,3 +79,26 @@ class Timings:
     @property
     def total(self) -> float:
         return time.monotonic() - self._start
+
+
+class ByteProgress:
+    """Bytes moved in one long phase, counted from any thread; a "progress" PhaseEvent at most
+    every EVERY_S (the caller's callback draws it: a rate and a remaining size on a terminal)."""
+
+    EVERY_S = 0.5
+
+    def __init__(self, phase: str, total_bytes: int, on_event: ProgressCallback) -> None:
+        self.phase, self.total_bytes, self._on_event = phase, total_bytes, on_event
+        self.done_bytes = 0
+        self._lock = threading.Lock()
+        self._reported_at = time.monotonic()
+
+    def add(self, nbytes: int) -> None:
+        with self._lock:
+            self.done_bytes += nbytes
+            now = time.monotonic()
+            if now - self._reported_at < self.EVERY_S:
+                return
+            self._reported_at = now
+            event = PhaseEvent(self.phase, "progress", None, self.done_bytes, self.total_bytes)
+        self._on_event(event)
