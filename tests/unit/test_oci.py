@@ -525,3 +525,24 @@ def test_files_of_equal_content_are_sent_one_job_at_a_time() -> None:
     a.join(10)
     b.join(10)
     assert second_in.is_set()
+
+
+@pytest.mark.parametrize("title", ["criu/a\nb", "logs/\x1b[31mred", "x\r", "a\tb"])
+@pytest.mark.parametrize("model", [False, True])
+def test_a_title_with_a_control_character_is_refused_in_one_line(title: str, model: bool) -> None:
+    """A newline in a layer title (JSON carries it) reached the refusal's message as it was."""
+    from vsnap.registry.oci import MODEL_FILE_MEDIA_TYPE
+
+    changes: dict = {"annotations": {TITLE: title}}
+    if model:
+        changes["mediaType"] = MODEL_FILE_MEDIA_TYPE
+    with pytest.raises(ImageUntrusted, match="control character") as refused:
+        parse_artifact(encode(first_layer(**changes)), REF)
+    assert refused.value.message.isprintable()
+
+
+def test_a_manifest_file_name_with_a_newline_is_named_in_one_line() -> None:
+    files = {**FILES, "criu/a\nb": b"x"}
+    with pytest.raises(ArtifactError, match="no layer holds") as refused:
+        match_manifest(parse_artifact(encode(document()), REF), make_manifest(files))
+    assert refused.value.message.isprintable()

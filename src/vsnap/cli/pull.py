@@ -61,6 +61,7 @@ def pull(
                              f"MB; {result.model_fetched} fetched, the others were there)", markup=False)
     elif result.model_files:
         _render.stdout.print(f"model: not pulled ({result.model_files} files, {result.model_bytes / 1e6:.1f} MB, "
-                             f"in the registry); a restore needs them in {result.model_recorded}: pull with "
-                             f"--model-dir {result.model_recorded} where they are not there yet",
+                             f"in the registry); the image says its model lives in {result.model_recorded}: "
+                             "if that is where this host keeps it and the model is not there yet, pull again "
+                             "with --model-dir and that directory",
                              markup=False)

@@ -142,6 +142,16 @@ def make_trusted_dirs(path: Path) -> Path:
     return path
 
 
+def is_private_dir(path: Path) -> bool:
+    """A directory as vsnap makes its staging ones (mkdir 0700): real (not a link), root's, and
+    private. Only such a directory at a name of vsnap's is taken as its own leftover."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077
+
+
 def require_trusted_tree(root: Path) -> list[str]:
     """The image directory and everything in it: real directories and regular files, root's, not
     group/other-writable. Returns the files found (relative paths), for the manifest comparison."""

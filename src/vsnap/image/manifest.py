@@ -125,11 +125,16 @@ class Manifest(_Frozen):
 
     def _check(self) -> None:
         """One GPU per rank, each named by its UUID; CRIU's keys plain words and the paths it is
-        given plain absolute paths (they reach its command line); file names without NUL."""
+        given plain absolute paths (they reach its command line), the model directory's too (a
+        pull writes there); file names without NUL."""
         for key in (self.control_mount_key, self.shm_mount_key, self.netns_key, *self.externals):
             if not CRIU_KEY.fullmatch(key):
                 raise ValueError("a CRIU external key must be 1 to 64 of A-Z a-z 0-9 _ . -")
         require_plain_path(self.control_dir, "control_dir")
+        # the model directory: a pull may write into it (--model-dir), messages and hints name it
+        require_plain_path(self.launch.model, "launch.model")
+        if not self.launch.model.isprintable() or ".." in self.launch.model.split("/"):
+            raise ValueError("launch.model must be a path without control characters or '..'")
         for mountpoint in self.externals.values():
             require_plain_path(mountpoint, "an external mount point")
         for name in (*self.files, *self.shm_files):

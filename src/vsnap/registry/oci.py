@@ -280,14 +280,28 @@ def _require_one_tree(ref: str, paths: list[str]) -> None:
                                            f"({'/'.join(parents[:depth])})", hint=ALTERED_HINT)
 
 
+def shown(path: str) -> str:
+    """A path from an artifact or a manifest as a refusal names it: as it is if printable, else as
+    Python escapes it (a newline or an escape sequence never splits or colours the one line)."""
+    return path[:300] if path.isprintable() else ascii(path)[:300]
+
+
+def _require_printable(path: str, what: str) -> None:
+    if not path.isprintable():
+        raise ImageUntrusted(shown(path), f"{what} holds a control character (only printable names are "
+                                          "taken)", hint=ALTERED_HINT)
+
+
 def require_model_path(path: str) -> str:
     """A model file's title: a plain relative path inside the model directory, not inside a
-    directory vsnap stages in there (MODEL_STAGING_PREFIX)."""
+    directory vsnap stages in there (MODEL_STAGING_PREFIX), nor the staging's own INCOMING."""
+    _require_printable(path, "an artifact's model file title")
     try:
         require_inside(path, "an artifact's model file title")
     except ImageUntrusted as exc:
         raise ImageUntrusted(exc.path, exc.reason, hint=ALTERED_HINT) from None
-    if path.split("/", 1)[0].startswith(MODEL_STAGING_PREFIX):
+    first = path.split("/", 1)[0]
+    if first.startswith(MODEL_STAGING_PREFIX) or first == INCOMING:  # INCOMING: a pull's blobs in flight
         raise ImageUntrusted(path, "a model file's title names a file vsnap writes itself", hint=ALTERED_HINT)
     return path
 
@@ -295,6 +309,7 @@ def require_model_path(path: str) -> str:
 def require_image_path(path: str, what: str) -> str:
     """A path vsnap will create inside a pull's staging directory: plain, relative, inside, and
     neither manifest.json (that is the config blob) nor the pull's own INCOMING directory."""
+    _require_printable(path, what)
     try:
         require_inside(path, what)
     except ImageUntrusted as exc:
@@ -326,9 +341,10 @@ def match_manifest(artifact: Artifact, manifest: Manifest) -> None:
         raise ImageUntrusted(MANIFEST, "manifest 'files' lists manifest.json itself", hint=ALTERED_HINT)
     missing, extra = sorted(files - set(titles)), sorted(set(titles) - files)
     if missing:
-        raise ArtifactError(ref, f"{ref}: no layer holds {missing[0]}, a file its manifest.json lists", file=missing[0])
+        raise ArtifactError(ref, f"{ref}: no layer holds {shown(missing[0])}, a file its manifest.json lists",
+                            file=missing[0])
     if extra:
-        raise ArtifactError(ref, f"{ref}: layer {extra[0]} is not a file its manifest.json lists", file=extra[0])
+        raise ArtifactError(ref, f"{ref}: layer {shown(extra[0])} is not a file its manifest.json lists", file=extra[0])
     for path, layer in titles.items():
         entry = manifest.files[path]
         if entry.size > MAX_FILE_BYTES:
@@ -350,10 +366,10 @@ def _match_model(ref: str, layers: list[Layer], manifest: Manifest) -> None:
     titles = {layer.path: layer for layer in layers}
     missing, extra = sorted(set(wanted) - set(titles)), sorted(set(titles) - set(wanted))
     if extra:
-        raise ArtifactError(ref, f"{ref}: model layer {extra[0]} is not a file of the model its manifest.json "
-                                 f"depends on ({manifest.launch.model})", file=extra[0], hint=ALTERED_HINT)
+        raise ArtifactError(ref, f"{ref}: model layer {shown(extra[0])} is not a file of the model its manifest.json "
+                                 f"depends on ({shown(manifest.launch.model)})", file=extra[0], hint=ALTERED_HINT)
     if missing:
-        raise ArtifactError(ref, f"{ref}: no model layer holds {missing[0]}, a file of its model "
+        raise ArtifactError(ref, f"{ref}: no model layer holds {shown(missing[0])}, a file of its model "
                                  f"({len(titles)} of {len(wanted)} are there)", file=missing[0], hint=ALTERED_HINT)
     for path, layer in titles.items():
         dep = wanted[path]

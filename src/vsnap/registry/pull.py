@@ -25,6 +25,8 @@ import shutil
 import stat
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -32,9 +34,12 @@ from typing import Callable
 from vsnap.host import verified
 from vsnap.host.events import ProgressCallback, Timings, failpoint
 from vsnap.host.paths import DEFAULT_IMAGE_ROOT, require_safe_directory
+from vsnap.host.trust import is_private_dir
 from vsnap.image.manifest import MANIFEST, FileEntry, Manifest, read_manifest
 from vsnap.image.origin import record_origin
 from vsnap.image.store import (
+    HASH_THREADS,
+    PIECE,
     check_parent,
     image_lock,
     image_read_lock,
@@ -43,6 +48,7 @@ from vsnap.image.store import (
     publish,
     require_replaceable,
     require_trust,
+    sha256_file,
     verify_files,
 )
 from vsnap.protocol.control import write_atomic
@@ -100,27 +106,18 @@ def staging_dir(image_dir: Path, digest: str) -> Path:
     return image_dir.parent / f".{image_dir.name}.pull-{digest.removeprefix('sha256:')[:16]}"
 
 
-def _is_ours(path: Path) -> bool:
-    """A directory vsnap made: real, root's, private (mkdir 0700)."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return False
-    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077
-
-
 def make_or_adopt_staging(image_dir: Path, digest: str) -> Path:
     """This pull's staging directory: made private, or the one an interrupted pull of the same
     manifest left (only if vsnap made it); other pulls' leftovers for this path are removed."""
     staging = staging_dir(image_dir, digest)
     for leftover in leftovers(image_dir, r"\.pull-[0-9a-f]{16}"):  # NAME literally, never as a glob
-        if leftover != staging and _is_ours(leftover):
+        if leftover != staging and is_private_dir(leftover):
             shutil.rmtree(leftover, ignore_errors=True)
             verified.forget(leftover)
     try:
         os.mkdir(staging, 0o700)
     except FileExistsError:
-        if not _is_ours(staging):
+        if not is_private_dir(staging):
             raise ImageUntrusted(staging, "stands where vsnap stages this pull and is not a private directory of "
                                           "root's that vsnap made", hint=f"remove {staging} yourself if it is yours "
                                                                           "to delete, or pull --to another path")
@@ -142,14 +139,15 @@ def pull_image(reference: str | Reference, *, to: Path | None = None, force: boo
         require_safe_directory(str(image_dir), "the image")
         check_parent(image_dir)
         require_replaceable(image_dir, force, elsewhere="pull into another --to")
-    with image_lock(image_dir):  # one capture or pull per image path
+    with image_lock(image_dir), ExitStack() as held:  # one capture or pull per image path (held: its model dir)
         require_replaceable(image_dir, force, elsewhere="pull into another --to")
         with timings.phase("connect"):
             client = per_thread_clients(ref, insecure=insecure)
             client()
         with timings.phase("fetch manifest"):
             artifact, manifest, staging = _fetch_manifest(client(), ref, image_dir)
-            model = model_files.prepare(model_dir, manifest, artifact) if model_dir is not None else None
+            model = (model_files.prepare(model_dir, manifest, artifact, image_dir=image_dir, held=held)
+                     if model_dir is not None else None)
             _require_space(ref, image_dir, [(staging, manifest.files)]
                            + ([(model.staging, model.entries)] if model is not None else []))
         with timings.phase("download blobs"):
@@ -231,7 +229,7 @@ def _fetch_manifest(client: RegistryClient, ref: Reference, image_dir: Path) -> 
     except OSError as exc:
         if exc.errno not in DISK_ERRNOS:
             raise
-        raise _disk_full(ref, image_dir, staging, 0, len(artifact.layers)) from None
+        raise _disk_full(ref, staging, 0, len(artifact.layers)) from None
     manifest = read_manifest(staging)  # the format and engine protocol versions, the schema
     require_trust(staging, manifest)   # every path inside the image, shm names plain
     require_safe_directory(manifest.control_dir, "the manifest's control_dir")  # as a restore will, before 20 GB
@@ -313,7 +311,12 @@ class _Downloads:
                 self.checked[rel] = (st, entry.digest)
             else:
                 to_hash[rel] = st
-        digests = piece_hashes(self.staging, {rel: st.st_size for rel, st in to_hash.items()})
+        # each by its entry's scheme: a model file's digest is its plain sha256 whatever its size (what
+        # a restore compares), an image file's over one piece the digest of its 64 MiB pieces
+        whole = [rel for rel in to_hash if self.entries[rel].scheme == "sha256" and to_hash[rel].st_size > PIECE]
+        digests = piece_hashes(self.staging, {rel: st.st_size for rel, st in to_hash.items() if rel not in whole})
+        with ThreadPoolExecutor(max_workers=HASH_THREADS) as pool:
+            digests.update(zip(whole, pool.map(lambda rel: sha256_file(self.staging / rel), whole)))
         for rel, st in to_hash.items():
             if digests[rel] == self.entries[rel].digest:
                 self.checked[rel] = (st, digests[rel])
@@ -352,7 +355,7 @@ class _Downloads:
         layer: Layer = self.layers[rel]
         entry: FileEntry = self.entries[rel]
         part = self.staging / INCOMING / str(index)
-        ranges = ranged.plan(layer, entry, self.parts)
+        ranges = ranged.plan(layer, entry, self.parts)  # none for a file checked by its plain sha256
         in_ranges = False
         fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
