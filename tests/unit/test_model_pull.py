@@ -360,3 +360,22 @@ def test_a_push_of_a_model_file_a_pull_would_refuse_is_refused_before_any_byte(n
     with pytest.raises(ImageError, match="a name a pull refuses") as refused:
         layers_to_push(doc)
     assert refused.value.message.isprintable()
+
+
+def test_a_pull_reports_its_bytes_against_what_it_must_fetch(
+        serve: Callable[[], Server], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The download phase's progress: the model's and the image's bytes still to fetch (a file
+    already in place is not counted), done bytes rising to that total."""
+    from vsnap.host import events
+
+    monkeypatch.setattr(events.ByteProgress, "EVERY_S", 0.0)
+    registry = serve()
+    model_dir = models(tmp_path) / "m"
+    model = {"a.bin": b"a" * 70000, "b.bin": b"b" * 40000}
+    ref, _ = model_image(registry, str(model_dir), model)
+    seen: list[events.PhaseEvent] = []
+    result = pull_image(ref, to=images(tmp_path) / "x", model_dir=model_dir, jobs=1, on_event=seen.append)
+    progress = [e for e in seen if e.state == "progress"]
+    assert progress and all(e.phase == "download blobs" for e in progress)
+    assert progress[-1].done_bytes == result.bytes_received == progress[-1].total_bytes
+    assert [e.done_bytes for e in progress] == sorted(e.done_bytes or 0 for e in progress)

@@ -146,7 +146,8 @@ class PhaseProgress:
         started = self._started.setdefault(event.phase, (now, event.done_bytes or 0))
         done, total = event.done_bytes or 0, event.total_bytes or 0
         rate = (done - started[1]) / max(now - started[0], 1e-6)
-        text = f"{event.phase} {done / 1e9:.2f} of {total / 1e9:.2f} GB, {rate / 1e9:.2f} GB/s"
+        of = f" of {total / 1e9:.2f}" if total else ""
+        text = f"{event.phase} {done / 1e9:.2f}{of} GB, {rate / 1e9:.2f} GB/s"
         if self._plain:
             if now - self._printed_at >= self.PLAIN_EVERY_S:
                 self._printed_at = now

@@ -67,9 +67,9 @@ class Timings:
         self._on_event(PhaseEvent(name, "done", self.seconds[name]))
         failpoint(f"after {name}")
 
-    def progress(self, name: str, total_bytes: int) -> "ByteProgress":
+    def progress(self, name: str, total_bytes: int | None = None) -> "ByteProgress":
         """A counter for phase ``name`` (running) that reports its bytes at most every
-        ByteProgress.EVERY_S, from any thread."""
+        ByteProgress.EVERY_S, from any thread (``total_bytes``: what it expects, if known)."""
         return ByteProgress(name, total_bytes, self._on_event)
 
     def add(self, name: str, seconds: float) -> None:
@@ -87,11 +87,16 @@ class ByteProgress:
 
     EVERY_S = 0.5
 
-    def __init__(self, phase: str, total_bytes: int, on_event: ProgressCallback) -> None:
+    def __init__(self, phase: str, total_bytes: int | None, on_event: ProgressCallback) -> None:
         self.phase, self.total_bytes, self._on_event = phase, total_bytes, on_event
         self.done_bytes = 0
         self._lock = threading.Lock()
         self._reported_at = time.monotonic()
+
+    def expect(self, nbytes: int) -> None:
+        """More bytes to come than announced (a pull learns what it must fetch file set by file set)."""
+        with self._lock:
+            self.total_bytes = (self.total_bytes or 0) + nbytes
 
     def add(self, nbytes: int) -> None:
         with self._lock:

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Callable
 
 from vsnap.host import verified
-from vsnap.host.events import ProgressCallback, Timings, failpoint
+from vsnap.host.events import ByteProgress, ProgressCallback, Timings, failpoint
 from vsnap.host.paths import DEFAULT_IMAGE_ROOT, require_safe_directory
 from vsnap.host.trust import is_private_dir
 from vsnap.image.manifest import MANIFEST, FileEntry, Manifest, read_manifest
@@ -151,11 +151,13 @@ def pull_image(reference: str | Reference, *, to: Path | None = None, force: boo
             _require_space(ref, image_dir, [(staging, manifest.files)]
                            + ([(model.staging, model.entries)] if model is not None else []))
         with timings.phase("download blobs"):
+            progress = timings.progress("download blobs", 0)  # each file set adds what it must fetch
             downloads = []
             if model is not None:  # the model first: the image is published only once its model is in place
-                downloads.append(_Downloads(model.staging, model.entries, model.layers, str(artifact.reference), parts))
+                downloads.append(_Downloads(model.staging, model.entries, model.layers, str(artifact.reference), parts,
+                                            progress))
             fetched = _Downloads(staging, manifest.files, {layer.path: layer for layer in artifact.layers},
-                                 str(artifact.reference), parts)
+                                 str(artifact.reference), parts, progress)
             downloads.append(fetched)
             for download in downloads:
                 try:
@@ -246,8 +248,9 @@ class _Downloads:
     is hashed again by the next one, and kept."""
 
     def __init__(self, staging: Path, entries: dict[str, FileEntry], layers: dict[str, Layer], reference: str,
-                 parts: int = 1) -> None:
+                 parts: int = 1, progress: ByteProgress | None = None) -> None:
         self.staging, self.entries, self.layers, self.reference, self.parts = staging, entries, layers, reference, parts
+        self._progress = progress
         self._lock = threading.Lock()
         self.checked: dict[str, tuple[os.stat_result, str]] = {}
         self._cancel = threading.Event()
@@ -260,6 +263,8 @@ class _Downloads:
         missing = self._keep_what_is_there()
         os.mkdir(incoming, 0o700)
         order = sorted(missing, key=lambda rel: -self.entries[rel].size)
+        if self._progress is not None:
+            self._progress.expect(sum(self.layers[rel].size for rel in missing))
         try:
             parallel(lambda item: self._fetch(client, *item), list(enumerate(order)), jobs, self._cancel)
             self._settle()
@@ -381,6 +386,8 @@ class _Downloads:
     def _count(self, nbytes: int) -> None:
         with self._lock:
             self.bytes_received += nbytes
+        if self._progress is not None:
+            self._progress.add(nbytes)
 
     def _make_parents(self, rel: str) -> None:
         """The directories of ``rel`` inside the staging directory (private; a name already taken

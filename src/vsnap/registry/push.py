@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ContextManager, Iterable
 
-from vsnap.host.events import ProgressCallback, Timings, failpoint
+from vsnap.host.events import ByteProgress, ProgressCallback, Timings, failpoint
 from vsnap.host.trust import open_following_only_roots_links
 from vsnap.image.handle import open_image
 from vsnap.image.manifest import MANIFEST, MAX_MANIFEST_BYTES, Manifest
@@ -115,10 +115,12 @@ def push_image(image_dir: Path, reference: str | Reference, *, insecure: bool = 
         cancel = threading.Event()
         one_per_digest = OnePerDigest([*known.values(), *(layer for _, layer in model_layers.values())])
         with timings.phase("upload blobs"):
+            progress = timings.progress("upload blobs")  # bytes sent (compressed where a layer is)
+
             def send(rel: str) -> Layer:
                 planned = known.get(rel)
                 with one_per_digest.holding(planned):
-                    layer = _send(client(), image_dir, rel, manifest, planned, counters, threads, cancel)
+                    layer = _send(client(), image_dir, rel, manifest, planned, counters, threads, cancel, progress)
                 pushed.remember(layer, stats[rel])
                 failpoint("blob pushed")
                 return layer
@@ -126,7 +128,7 @@ def push_image(image_dir: Path, reference: str | Reference, *, insecure: bool = 
             def send_model_file(rel: str) -> Layer:
                 path, layer = model_layers[rel]
                 with one_per_digest.holding(layer):
-                    _send_model_file(client(), path, layer, counters, cancel)
+                    _send_model_file(client(), path, layer, counters, cancel, progress)
                 return layer
 
             items = [(send, rel, entry.size) for rel, entry in manifest.files.items()]
@@ -183,7 +185,7 @@ def _plan(image_dir: Path, manifest: Manifest, stats: dict[str, os.stat_result],
 
 
 def _send(client: RegistryClient, image_dir: Path, rel: str, manifest: Manifest, layer: Layer | None,
-          counters: _Counters, threads: int, cancel: threading.Event) -> Layer:
+          counters: _Counters, threads: int, cancel: threading.Event, progress: ByteProgress) -> Layer:
     """One file as one blob: skipped if the registry holds its digest, else streamed (zstd as it is
     made); the registry checks the digest given at the end."""
     path = image_dir / rel
@@ -192,14 +194,15 @@ def _send(client: RegistryClient, image_dir: Path, rel: str, manifest: Manifest,
         return layer
     encoding = encoding_for(rel, manifest.files[rel].size)
     chunks = zstd_chunks(path, threads=threads) if encoding == "zstd" else file_chunks(path)
-    stream = HashingIterator(chunks, checking(cancel), digest=layer.digest if encoding == "raw" and layer else None)
+    stream = HashingIterator(chunks, checking(cancel, progress.add),
+                             digest=layer.digest if encoding == "raw" and layer else None)
     client.upload_stream(stream, lambda: stream.digest)
     counters.add(stream.size, sent=True)
     return Layer(rel, encoding, stream.digest, stream.size)
 
 
 def _send_model_file(client: RegistryClient, path: Path, layer: Layer, counters: _Counters,
-                     cancel: threading.Event) -> None:
+                     cancel: threading.Event, progress: ByteProgress) -> None:
     """One model file as its raw blob, unless the registry holds it (another image of the model
     sent it): its digest is the sha256 the image records, so a file changed since verify image
     fails the upload (the registry checks the digest given at the end)."""
@@ -208,6 +211,6 @@ def _send_model_file(client: RegistryClient, path: Path, layer: Layer, counters:
         return
     # a model directory of Hugging Face's cache holds root's links into its blobs/: followed (only root's)
     chunks = file_chunks(path, lambda p: open_following_only_roots_links(p, os.O_RDONLY))
-    stream = HashingIterator(chunks, checking(cancel), digest=layer.digest)
+    stream = HashingIterator(chunks, checking(cancel, progress.add), digest=layer.digest)
     client.upload_stream(stream, lambda: stream.digest)
     counters.add(stream.size, sent=True)
