@@ -111,10 +111,6 @@ class ModelPlacement:
     kept_stats: dict[str, os.stat_result]  # the kept files as they were when checked
     kept_at_ns: int = 0             # a time before those stats
 
-    @property
-    def bytes_needed(self) -> int:
-        return sum(entry.size for entry in self.entries.values())
-
 
 def prepare(model_dir: Path, manifest: Manifest, artifact: Artifact, *, image_dir: Path,
             held: ExitStack) -> ModelPlacement:
