@@ -89,3 +89,68 @@ def run_load(url: str, *, concurrency: int = 4, seconds: float = 10.0, max_reque
         thread.join(timeout=seconds + 120)
     result.seconds = time.monotonic() - started
     return result
+
+
+@dataclass
+class Throughput:
+    """A fixed batch of greedy completions: how fast a server generates under load."""
+
+    requests: int
+    concurrency: int
+    max_tokens: int
+    seconds: float = 0.0
+    completion_tokens: int = 0
+    errors: int = 0
+    error_samples: list[str] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.completion_tokens / self.seconds if self.seconds else 0.0
+
+    def summary(self) -> dict[str, float | int | list[str]]:
+        return {"requests": self.requests, "concurrency": self.concurrency, "max_tokens": self.max_tokens,
+                "seconds": self.seconds, "completion_tokens": self.completion_tokens,
+                "tokens_per_s": self.tokens_per_s, "errors": self.errors, "error_samples": self.error_samples}
+
+
+def run_throughput(url: str, model: str, prompts: list[str], *, requests: int = 64, concurrency: int = 32,
+                   max_tokens: int = 64, timeout_s: float = 300.0) -> Throughput:
+    """``requests`` greedy completions of ``max_tokens`` tokens each (EOS ignored, so every request
+    generates as many), ``concurrency`` in flight, over ``prompts`` in turn: the completion tokens
+    the server reports (its ``usage``) over the wall time of the whole batch. Loopback only."""
+    _require_loopback(url)
+    result = Throughput(requests, concurrency, max_tokens)
+    lock = threading.Lock()
+    queue = list(range(requests))
+
+    def worker() -> None:
+        while True:
+            with lock:
+                if not queue:
+                    return
+                n = queue.pop()
+            body = json.dumps({"model": model, "prompt": prompts[n % len(prompts)], "max_tokens": max_tokens,
+                               "temperature": 0, "ignore_eos": True}).encode()
+            request = urllib.request.Request(f"{url}/v1/completions", data=body,
+                                             headers={"content-type": "application/json"})
+            try:
+                with urllib.request.urlopen(request, timeout=timeout_s) as response:
+                    tokens = int(json.load(response)["usage"]["completion_tokens"])
+                problem = ""
+            except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError) as exc:
+                tokens, problem = 0, f"{type(exc).__name__}: {exc}"
+            with lock:
+                result.completion_tokens += tokens
+                if problem:
+                    result.errors += 1
+                    if len(result.error_samples) < 5:
+                        result.error_samples.append(problem[:300])
+
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
+    started = time.monotonic()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=timeout_s + 60)
+    result.seconds = time.monotonic() - started
+    return result

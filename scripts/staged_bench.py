@@ -1,0 +1,201 @@
+#!/usr/bin/env python3
+"""`vsnap bench`'s measurements in steps, for a model whose bench does not fit in one call of the
+GPU machine (600 s each; a 70B cold-starts in ~250 s and captures in ~300 s): each step keeps what
+it measured in a state directory, and `report` writes the record from them.
+
+    python scripts/staged_bench.py cold SPEC --state DIR        # a cold start: first completion, outputs, throughput
+    python scripts/staged_bench.py capture SPEC --state DIR     # capture_image() into DIR/image
+    python scripts/staged_bench.py restore SPEC --state DIR [--runs 3]
+    python scripts/staged_bench.py report SPEC --state DIR --out OUT
+    python scripts/staged_bench.py clean SPEC --state DIR       # stop what is left, remove DIR
+    python scripts/staged_bench.py all SPEC --state DIR --out OUT   # every step, in one process
+
+It measures what `vsnap bench` does, with the bench's own code (ops.bench: cold_start, the
+outputs, run_cli, first_token, compare_outputs): the spec's image and control directory are not
+touched (the state directory holds the image, the control directory and the compile cache); a cold
+start is the engine tree in serve mode, launch to first completion (the first with an empty
+compile cache, later ones with it warm); a restore is a `vsnap restore --detach` command to the
+first completion, from the command's start. Besides, after the first completion of the first cold
+start and of the first restore: BENCH_PROMPTS x BENCH_TOKENS greedy outputs (compared) and a fixed
+load (64 requests x 64 tokens, 32 in flight: tokens per second, compared). Keep DIR short (vLLM's
+IPC sockets live under it): /tmp/sb.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from vsnap.host import verified
+from vsnap.image.manifest import ENGINE_LOG
+from vsnap.ops.bench.loadgen import run_throughput
+from vsnap.ops.bench.outputs import bench_prompts, compare_outputs, first_token, outputs_of
+from vsnap.ops.bench.record import cli_phases, engine_notes, median_phases
+from vsnap.ops.bench.run import cold_start, run_cli, stop_instance
+from vsnap.ops.capture import capture_image
+from vsnap.spec.schema import ModelSpec, load_spec
+
+
+def own_spec(spec: ModelSpec, state: Path) -> ModelSpec:
+    return spec.model_copy(update={"image": str(state / "image"),
+                                   "snapshot": spec.snapshot.model_copy(update={"control_dir": str(state / "c")})})
+
+
+def cache_env(spec: ModelSpec, state: Path) -> dict[str, str]:
+    return {"VLLM_CACHE_ROOT": str(state / "cache")} if spec.engine == "vllm" else {}
+
+
+def save(state: Path, name: str, data: dict[str, Any]) -> None:
+    (state / f"{name}.json").write_text(json.dumps(data, indent=1) + "\n")
+
+
+def load(state: Path, name: str) -> dict[str, Any] | None:
+    path = state / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def under_load(spec: ModelSpec, url: str) -> dict[str, Any]:
+    """The outputs compared and the throughput, asked of one server after its first completion."""
+    started = time.monotonic()
+    outputs = outputs_of(spec)(url)
+    outputs_s = time.monotonic() - started
+    throughput = run_throughput(url, spec.served_model_name, bench_prompts())
+    return {"outputs": outputs, "outputs_s": outputs_s, "throughput": throughput.summary()}
+
+
+def step_cold(spec: ModelSpec, state: Path) -> dict[str, Any]:
+    colds = load(state, "cold") or {"runs": []}
+    fully_cold = not (state / "cache").exists() or not any((state / "cache").iterdir())
+    (state / "cache").mkdir(mode=0o700, exist_ok=True)
+    measured: dict[str, Any] = {}
+
+    def while_up(url: str) -> list:
+        if not colds["runs"]:  # the first cold start: what the restored server's are compared with
+            measured.update(under_load(spec, url))
+        return []
+
+    cold = cold_start(spec, cache_env(spec, state), while_up)
+    colds["runs"].append({"seconds": cold.seconds, "fully_cold": fully_cold, "instance": cold.instance_id, **measured})
+    save(state, "cold", colds)
+    return colds["runs"][-1]
+
+
+def step_capture(spec: ModelSpec, state: Path) -> dict[str, Any]:
+    started = time.monotonic()
+    captured = capture_image(spec, force=True, env=cache_env(spec, state))
+    data = {"seconds": time.monotonic() - started, "timings": captured.timings, "image_bytes": captured.image_bytes,
+            "sizes": captured.manifest.sizes, "image": str(captured.image_dir),
+            "by_reference": os.environ.get("VSNAP_WEIGHTS_BY_REFERENCE", "") == "1",
+            "engine_notes": engine_notes(captured.image_dir / ENGINE_LOG)}
+    save(state, "capture", data)
+    return data
+
+
+def step_restore(spec: ModelSpec, state: Path, runs: int) -> dict[str, Any]:
+    image = str(state / "image")
+    restores = load(state, "restore") or {"runs": []}
+    for _ in range(runs):
+        started_ids: list[str] = []
+        start = time.monotonic()
+        doc = run_cli(["restore", image, "--port", "0", "--detach"], started_ids)
+        try:
+            first_token(doc["url"], spec.served_model_name)
+            seconds = time.monotonic() - start
+            run: dict[str, Any] = {"seconds": seconds, "phases": cli_phases(doc), "instance": doc["instance"],
+                                   "weights_source": doc.get("weights_source")}
+            if not restores["runs"]:
+                run.update(under_load(spec, doc["url"]))
+                run["engine_notes"] = engine_notes(Path(doc["engine_log"]))
+        finally:
+            for instance in started_ids:
+                stop_instance(instance)
+        restores["runs"].append(run)
+        save(state, "restore", restores)
+        print(f"restore to first completion: {seconds:.2f} s", flush=True)
+    return restores
+
+
+def step_report(spec: ModelSpec, state: Path, out: Path) -> str:
+    cold, captured, restored = load(state, "cold"), load(state, "capture"), load(state, "restore")
+    if not cold or not captured or not restored:
+        sys.exit("report needs the cold, capture and restore steps' results in the state directory")
+    first_cold, first_restore = cold["runs"][0], restored["runs"][0]
+    seconds = [r["seconds"] for r in restored["runs"]]
+    outputs = compare_outputs(first_cold["outputs"], first_restore["outputs"])
+    cold_tps = first_cold["throughput"]["tokens_per_s"]
+    restored_tps = first_restore["throughput"]["tokens_per_s"]
+    record = {
+        "name": spec.name, "date": dt.date.today().isoformat(), "engine": spec.engine, "model": spec.model,
+        "serve": dict(spec.serve), "cold_s": [r["seconds"] for r in cold["runs"]],
+        "cold_fully_cold": [r["fully_cold"] for r in cold["runs"]], "capture": captured,
+        "restore_s": seconds, "restore_median_s": statistics.median(seconds),
+        "phases_median": median_phases([r["phases"] for r in restored["runs"]]),
+        "outputs": outputs, "throughput": {"cold": first_cold["throughput"], "restored": first_restore["throughput"],
+                                           "restored_over_cold": restored_tps / cold_tps if cold_tps else None},
+        "engine_notes": {"capture": captured["engine_notes"], "restore": first_restore.get("engine_notes", [])},
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"staged-bench-{spec.name}-{record['date']}"
+    (out / f"{stem}.json").write_text(json.dumps(record, indent=1) + "\n")
+    lines = [f"# staged bench: {spec.name} ({record['date']})", "",
+             "| measure | value |", "|---|---|",
+             *(f"| cold start to first completion #{n + 1}{' (fully cold)' if f else ''} | {s:.2f} s |"
+               for n, (s, f) in enumerate(zip(record["cold_s"], record["cold_fully_cold"]))),
+             f"| capture | {captured['seconds']:.1f} s, image {captured['image_bytes'] / 1e9:.2f} GB"
+             f"{' (weights by reference)' if captured['by_reference'] else ''} |",
+             f"| restore to first completion | median **{record['restore_median_s']:.2f} s** "
+             f"({', '.join(f'{s:.2f}' for s in seconds)}) |",
+             f"| speedup over the first cold start | {record['cold_s'][0] / record['restore_median_s']:.1f}x |",
+             f"| outputs, {outputs['prompts']} prompts x their tokens | {outputs['mismatched_prompts']} differ, largest "
+             f"logprob difference {outputs['max_logprob_diff']:.3g} |",
+             f"| throughput (64 x 64 tokens, 32 in flight) | cold {cold_tps:.0f} tok/s, restored {restored_tps:.0f} "
+             f"tok/s ({record['throughput']['restored_over_cold'] or 0:.3f}) |", "",
+             "Restore phases (median): " + ", ".join(f"{k} {v:.2f} s" for k, v in record["phases_median"].items()
+                                                    if isinstance(v, (int, float))), ""]
+    text = "\n".join(lines)
+    (out / f"{stem}.md").write_text(text)
+    return text
+
+
+def step_clean(state: Path) -> None:
+    for name in ("restore",):
+        for run in (load(state, name) or {"runs": []})["runs"]:
+            stop_instance(run["instance"])
+    verified.forget(state / "image")
+    shutil.rmtree(state, ignore_errors=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("step", choices=["cold", "capture", "restore", "report", "clean", "all"])
+    parser.add_argument("spec", type=Path)
+    parser.add_argument("--state", type=Path, required=True)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=Path("."))
+    args = parser.parse_args()
+    state = args.state.absolute()
+    if args.step == "clean":
+        step_clean(state)
+        return
+    state.mkdir(mode=0o700, parents=True, exist_ok=True)
+    spec = own_spec(load_spec(args.spec), state)
+    if args.step in ("cold", "all"):
+        print(json.dumps({k: v for k, v in step_cold(spec, state).items() if k != "outputs"}), flush=True)
+    if args.step in ("capture", "all"):
+        print(json.dumps({k: v for k, v in step_capture(spec, state).items() if k != "engine_notes"}), flush=True)
+    if args.step in ("restore", "all"):
+        step_restore(spec, state, args.runs)
+    if args.step in ("report", "all"):
+        print(step_report(spec, state, args.out))
+
+
+if __name__ == "__main__":
+    main()
