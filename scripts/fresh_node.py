@@ -79,7 +79,11 @@ class Registry:
     def __exit__(self, *_: object) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()
-            self.process.wait(timeout=30)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
 
 
 def drop_page_cache() -> bool:
@@ -115,10 +119,12 @@ def run_once(ref: str, image: Path, model: Path, served: str, parts: int, port: 
     pulled = time.monotonic()
     restore = vsnap("restore", str(image), "--detach", "--port", str(port))
     restored = time.monotonic()
-    text = first_completion(restore["url"], served)
-    answered = time.monotonic()
-    vsnap("stop", restore["instance"])
-    nbytes = pull["bytes_received"]
+    try:
+        text = first_completion(restore["url"], served)
+        answered = time.monotonic()
+    finally:  # never a restored server left holding the GPU
+        vsnap("stop", restore["instance"])
+    nbytes = pull["bytes_received"] + pull["model_bytes_received"]
     return {
         "parts": parts, "page_cache_dropped": dropped, "pull_s": round(pulled - started, 3),
         "restore_s": round(restored - pulled, 3), "completion_s": round(answered - restored, 3),
@@ -164,11 +170,18 @@ def main() -> None:
         push = vsnap("push", str(image), ref, "--model")
         push_s = time.monotonic() - started
         ref = push["reference"]
-        for parts in [int(p) for p in args.parts.split(",")]:
-            for _ in range(args.runs):
-                remove_local(image, model)
-                runs.append(run_once(ref, image, model, served, parts, args.port))
-                print(json.dumps(runs[-1]), flush=True)
+        try:
+            for parts in [int(p) for p in args.parts.split(",")]:
+                for _ in range(args.runs):
+                    remove_local(image, model)
+                    runs.append(run_once(ref, image, model, served, parts, args.port))
+                    print(json.dumps(runs[-1]), flush=True)
+        except BaseException:
+            if not (image / "manifest.json").exists() or not model.exists():
+                print(f"fresh_node.py: the image or the model is now only in the registry's storage, "
+                      f"{args.registry_root / 'storage'} (kept): `vsnap pull {ref} --to {image} --model-dir {model}` "
+                      "with the registry started again brings them back", file=sys.stderr)
+            raise
     document = {"image": str(image), "model": str(model), "reference": ref, "push_s": round(push_s, 3),
                 "push": {k: push[k] for k in ("blobs", "uploaded", "bytes_sent", "image_bytes", "model_files",
                                               "model_bytes", "timings")},

@@ -47,7 +47,8 @@ log "push with the model, then pull + restore + first completion from an empty n
 rc=$?
 cp "$REGISTRY_ROOT/registry.log" "$OUT/" 2>/dev/null
 du -sh "$REGISTRY_ROOT/storage" 2>/dev/null
-rm -rf "$REGISTRY_ROOT"
+# the registry's storage may hold the only copy of the image and the model after a failed run: kept then
+[ $rc -eq 0 ] && rm -rf "$REGISTRY_ROOT"
 df -h /tmp /dev/shm > "$OUT/df-after.txt"
 tail -n 30 "$OUT/fresh-node.log" | cut -c1-400
 echo "fresh_node.py rc=$rc"

@@ -107,8 +107,11 @@ def test_a_fresh_node_pulls_image_and_model_and_restores(node: Node) -> None:
         assert f"--model-dir {node.model}" in json.loads(refused.stdout)["hint"]
         assert not node.model.exists()
 
-        doc = vsnap_json("pull", node.ref, "--to", str(target), "--force", "--model-dir", str(node.model))
+        # the image is here already (the same manifest.json): only its model is pulled, no --force
+        doc = vsnap_json("pull", node.ref, "--to", str(target), "--model-dir", str(node.model))
+        assert doc["image_was_there"] and doc["downloaded"] == 0 and doc["bytes_received"] == 0
         assert doc["model_dir"] == str(node.model) and doc["model_fetched"] == len(files)
+        assert doc["model_bytes_received"] == sum(map(len, files.values()))
         assert _model_files(node.model) == files
         for rel in files:
             st = os.stat(node.model / rel)

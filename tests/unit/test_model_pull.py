@@ -261,7 +261,7 @@ def test_an_interrupted_model_download_resumes_with_the_files_it_kept(
     assert not (model_dir / "a.bin").exists() and not (images(tmp_path) / "x").exists()
     broken["on"] = False
     result = pull_image(ref, to=images(tmp_path) / "x", model_dir=model_dir, jobs=1)
-    assert result.model_fetched == 2 and seen.count(sha256_digest(model["a.bin"])) == 1
+    assert result.model_fetched == 1 and seen.count(sha256_digest(model["a.bin"])) == 1  # a.bin kept from staging
     assert {p.name for p in model_dir.iterdir()} == {"a.bin", "b.bin"}
 
 
@@ -286,7 +286,7 @@ def test_a_resumed_pull_keeps_a_model_file_over_one_piece_by_its_plain_sha256(
     verified.forget(staging)  # no record of it: the next pull must hash it
     broken["on"] = False
     result = pull_image(ref, to=images(tmp_path) / "x", model_dir=model_dir, jobs=1)
-    assert result.model_fetched == 2 and seen.count(sha256_digest(model["big.bin"])) == 1
+    assert result.model_fetched == 1 and seen.count(sha256_digest(model["big.bin"])) == 1
 
 
 @pytest.mark.parametrize("model", ["relative/model", "/models/m\n/x", "/models/\x1b]0;owned\x07m",
@@ -324,7 +324,7 @@ def test_a_disk_full_during_the_model_download_says_what_it_kept(
                                            r"fetched and checked, kept in .*\.vsnap-pull-"):
         pull_image(ref, to=images(tmp_path) / "x", model_dir=model_dir, jobs=1)
     monkeypatch.setattr(pull_module, "write_blob", real)
-    assert pull_image(ref, to=images(tmp_path) / "x", model_dir=model_dir, jobs=1).model_fetched == 2
+    assert pull_image(ref, to=images(tmp_path) / "x", model_dir=model_dir, jobs=1).model_fetched == 1
 
 
 def test_a_model_directory_spanning_filesystems_is_refused_before_any_blob(
@@ -377,5 +377,90 @@ def test_a_pull_reports_its_bytes_against_what_it_must_fetch(
     result = pull_image(ref, to=images(tmp_path) / "x", model_dir=model_dir, jobs=1, on_event=seen.append)
     progress = [e for e in seen if e.state == "progress"]
     assert progress and all(e.phase == "download blobs" for e in progress)
-    assert progress[-1].done_bytes == result.bytes_received == progress[-1].total_bytes
+    assert progress[-1].done_bytes == result.bytes_received + result.model_bytes_received == progress[-1].total_bytes
+    assert result.model_bytes_received == 110000  # the model's two blobs, counted apart from the image's
     assert [e.done_bytes for e in progress] == sorted(e.done_bytes or 0 for e in progress)
+
+
+def test_a_model_is_pulled_beside_the_same_image_and_never_over_another(
+        serve: Callable[[], Server], tmp_path: Path) -> None:
+    """The image at --to with the artifact's manifest.json: only the model comes (nothing of the
+    image fetched or replaced). Another image there: refused as any pull over an image is,
+    unless --force."""
+    from vsnap.protocol.errors import ImageError
+
+    registry = serve()
+    model_dir = models(tmp_path) / "m"
+    ref, _ = model_image(registry, str(model_dir), {"a.bin": b"a" * 5000})
+    target = images(tmp_path) / "x"
+    pull_image(ref, to=target)  # the image alone
+    manifest_before = (target / "manifest.json").stat()
+    result = pull_image(ref, to=target, model_dir=model_dir)
+    assert result.image_was_there and result.downloaded == 0 and result.staging is None
+    assert result.model_fetched == 1 and (model_dir / "a.bin").read_bytes() == b"a" * 5000
+    assert (target / "manifest.json").stat().st_ino == manifest_before.st_ino  # not replaced
+
+    other, _ = model_image(registry, str(model_dir), {"a.bin": b"a" * 5000, "b.bin": b"b" * 10}, tag="v2")
+    with pytest.raises(ImageError, match="already exists"):
+        pull_image(other, to=target, model_dir=model_dir)
+    forced = pull_image(other, to=target, model_dir=model_dir, force=True)
+    assert not forced.image_was_there and forced.model_fetched == 1
+
+
+def hf_cache_model(tmp_path: Path) -> tuple[Path, Path, bytes]:
+    """A model directory of Hugging Face's cache: snapshots/REV/config.json -> ../../blobs/SHA."""
+    data = b'{"model_type": "llama"}'
+    blobs = tmp_path / "hub" / "blobs"
+    snapshot = tmp_path / "hub" / "snapshots" / "rev"
+    blobs.mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    blob = blobs / hashlib.sha256(data).hexdigest()
+    blob.write_bytes(data)
+    (snapshot / "config.json").symlink_to(f"../../blobs/{blob.name}")
+    return snapshot, blob, data
+
+
+def test_a_push_of_a_model_whose_blob_the_image_needs_outside_its_directory_is_refused(tmp_path: Path) -> None:
+    """The engine had the blob behind a link open: the image depends on it by its own path, which
+    a pull of the model never brings back (it writes the link's name as a file)."""
+    from vsnap.protocol.errors import ImageError
+    from vsnap.registry.model_files import layers_to_push
+
+    snapshot, blob, data = hf_cache_model(tmp_path)
+    digest = hashlib.sha256(data).hexdigest()
+    launch = ImageLaunch(**{**fake_manifest().launch.model_dump(), "model": str(snapshot)})
+    deps = [Dependency(path=str(snapshot / "config.json"), size=len(data), sha256=digest)]
+    assert set(layers_to_push(fake_manifest(launch=launch, dependencies=deps))) == {"config.json"}  # the link: fine
+    deps.append(Dependency(path=str(blob), size=len(data), sha256=digest))
+    with pytest.raises(ImageError, match=r"depends on .*blobs/.*, the file behind .*config.json, outside the model"):
+        layers_to_push(fake_manifest(launch=launch, dependencies=deps))
+
+
+def test_a_push_of_a_changed_model_file_says_what_to_do_for_a_push(tmp_path: Path) -> None:
+    from vsnap.protocol.errors import ImageHostMismatch
+    from vsnap.registry.model_files import layers_to_push
+
+    model_dir = tmp_path / "m"
+    model_dir.mkdir()
+    (model_dir / "w.bin").write_bytes(b"now")
+    launch = ImageLaunch(**{**fake_manifest().launch.model_dump(), "model": str(model_dir)})
+    deps = [Dependency(path=str(model_dir / "w.bin"), size=3, sha256=hashlib.sha256(b"was").hexdigest())]
+    with pytest.raises(ImageHostMismatch) as refused:
+        layers_to_push(fake_manifest(launch=launch, dependencies=deps))
+    assert refused.value.hint == "put the model back as it was captured, or capture the image again"
+
+
+def test_a_link_where_the_model_has_a_directory_is_refused_before_any_blob(
+        serve: Callable[[], Server], tmp_path: Path) -> None:
+    """A link (even root's) on the way to a model file: the file would land where none of the
+    model directory's checks ran."""
+    registry = serve()
+    model_dir = models(tmp_path) / "m"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    model_dir.mkdir(mode=0o700)
+    (model_dir / "sub").symlink_to(elsewhere)
+    ref, _ = model_image(registry, str(model_dir), {"sub/w.bin": b"w" * 100})
+    with pytest.raises(HostNotReady, match=r"sub is a link where the image's model has a directory"):
+        pull_image(ref, to=images(tmp_path) / "x", model_dir=model_dir)
+    assert list(elsewhere.iterdir()) == []

@@ -193,6 +193,26 @@ def test_a_fifo_or_a_device_named_like_the_models_json_is_refused_not_read(tmp_p
         resources.loaded_share(spec(tmp_path), directory)
 
 
+def test_another_users_link_named_like_the_models_json_is_not_followed(tmp_path: Path) -> None:
+    """validate reads the model's JSON even where its trust row failed: a link of another user's
+    there (to a device whose opening acts, or to a file root may read and they may not) is refused,
+    not opened."""
+    import os
+
+    from vsnap.protocol.errors import ImageUntrusted
+
+    directory = model(tmp_path, {"model.safetensors": 1000})
+    secret = tmp_path / "secret.json"
+    secret.write_text('{"weight_map": {"a": "model.safetensors"}}')
+    link = directory / "model.safetensors.index.json"
+    link.symlink_to(secret)
+    os.lchown(link, 65534, 65534)
+    with pytest.raises(ImageUntrusted, match="symlink .* owned by uid 65534"):
+        resources.weights_bytes(directory)
+    os.lchown(link, 0, 0)  # root's own link: followed
+    assert resources.weights_bytes(directory) == 1000
+
+
 def test_a_giant_or_deep_model_json_is_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from vsnap.protocol.errors import ImageUntrusted
 

@@ -49,19 +49,25 @@ def pull(
             "bytes_received": result.bytes_received, "image_bytes": result.image_bytes,
             "model_dir": str(result.model_dir) if result.model_dir else None, "model_files": result.model_files,
             "model_fetched": result.model_fetched, "model_bytes": result.model_bytes,
+            "model_bytes_received": result.model_bytes_received, "image_was_there": result.image_was_there,
             "timings": result.timings, "total_s": sum(result.timings.values()),
         })
         return
     _render.stdout.print(_render.timing_table(f"pulled {result.reference}", result.timings))
-    _render.stdout.print(f"image: {result.image_dir} ({result.image_bytes / 1e6:.1f} MB; {result.downloaded} blobs "
-                         f"fetched, {result.bytes_received / 1e6:.1f} MB, {result.reused} kept from an interrupted "
-                         "pull)", markup=False)
+    if result.image_was_there:
+        _render.stdout.print(f"image: {result.image_dir} was there already (the same manifest.json), kept as it is",
+                             markup=False)
+    else:
+        _render.stdout.print(f"image: {result.image_dir} ({result.image_bytes / 1e6:.1f} MB; {result.downloaded} "
+                             f"blobs fetched, {result.bytes_received / 1e6:.1f} MB, {result.reused} kept from an "
+                             "interrupted pull)", markup=False)
     if result.model_dir is not None:
         _render.stdout.print(f"model: {result.model_dir} ({result.model_files} files, {result.model_bytes / 1e6:.1f} "
-                             f"MB; {result.model_fetched} fetched, the others were there)", markup=False)
+                             f"MB; {result.model_fetched} fetched, {result.model_bytes_received / 1e6:.1f} MB, the "
+                             "others were there)", markup=False)
     elif result.model_files:
         _render.stdout.print(f"model: not pulled ({result.model_files} files, {result.model_bytes / 1e6:.1f} MB, "
                              f"in the registry); the image says its model lives in {result.model_recorded}: "
                              "if that is where this host keeps it and the model is not there yet, pull again "
-                             "with --model-dir and that directory",
+                             "with --model-dir and that directory (the image, already here, is kept)",
                              markup=False)

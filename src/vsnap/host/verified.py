@@ -23,7 +23,7 @@ import os
 import stat
 import time
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Callable, Iterable, Literal, TypeVar
 
 from vsnap.protocol import control
 from vsnap.protocol.errors import ControlProtocolError
@@ -86,6 +86,21 @@ def settled(st: os.stat_result, statted_at_ns: int) -> bool:
     later) that any later write must change its ctime?"""
     margin = COARSE_MARGIN_NS if st.st_ctime_ns % 1_000_000_000 == 0 else FINE_MARGIN_NS
     return st.st_ctime_ns < statted_at_ns - margin
+
+
+SETTLE_MAX_S = 0.5  # the most a pull waits for the files it just wrote to be old enough to record
+
+
+def wait_settled(stats: Callable[[], Iterable[os.stat_result]], max_s: float = SETTLE_MAX_S) -> int:
+    """Wait, at most ``max_s``, until every stat ``stats()`` gives (asked again each time) is
+    settled; the time taken before the last stats, for the record (``statted_at_ns``). Files just
+    written or renamed into place are otherwise left out of a record and hashed again later."""
+    deadline = time.monotonic() + max_s
+    while True:
+        now = time.time_ns()
+        if all(settled(st, now) for st in stats()) or time.monotonic() >= deadline:
+            return now
+        time.sleep(0.02)
 
 
 def _record_path(image_dir: Path, root: Path) -> Path:

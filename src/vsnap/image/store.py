@@ -20,11 +20,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from vsnap.host import verified
 from vsnap.host.fs import RENAME_EXCHANGE, renameat2
 from vsnap.host.trust import (
+    is_private_dir,
     make_trusted_dirs,
     require_inside,
     require_plain_names,
@@ -239,6 +240,24 @@ def remove_stale_staging(image_dir: Path) -> None:
             continue
         if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077:
             shutil.rmtree(leftover, ignore_errors=True)
+
+
+def make_or_adopt_staging_dir(staging: Path, others: Iterable[Path], what: str, hint: str) -> Path:
+    """A pull's staging directory: made private (0700), or the one an interrupted pull of the same
+    manifest left, if vsnap made it (is_private_dir); ``others`` (other pulls' leftovers of the kind)
+    removed when vsnap made them. Anything else at ``staging``: ImageUntrusted ("stands where vsnap
+    stages ``what``"), never adopted or removed."""
+    for other in others:
+        if other != staging and is_private_dir(other):
+            shutil.rmtree(other, ignore_errors=True)
+            verified.forget(other)
+    try:
+        os.mkdir(staging, 0o700)
+    except FileExistsError:
+        if not is_private_dir(staging):
+            raise ImageUntrusted(staging, f"stands where vsnap stages {what} and is not a private directory of "
+                                          "root's that vsnap made", hint=hint) from None
+    return staging
 
 
 def checksum_tree(root: Path, skip: tuple[str, ...] = (MANIFEST,)) -> dict[str, FileEntry]:

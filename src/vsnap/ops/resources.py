@@ -24,6 +24,7 @@ from vsnap.engine.adapters.vllm.rules import tensor_parallel_size
 from vsnap.engine.adapters.vllm.serve_args import given
 from vsnap.host import cuda as cuda_driver
 from vsnap.host.facts import vllm_device
+from vsnap.host.trust import open_following_only_roots_links
 from vsnap.protocol.errors import HostNotReady, ImageError, ImageUntrusted
 
 if TYPE_CHECKING:  # not at run time: the restore path loads neither the spec's schema nor yaml
@@ -126,7 +127,11 @@ def _model_json(path: Path) -> Any:
     recursing without bound. FileNotFoundError if absent; ValueError if it is not JSON;
     ImageUntrusted for a file that must not be read (its link followed: a snapshot's are links)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        if not stat.S_ISREG(os.stat(path).st_mode):  # before opening: opening a device can act on it
+            raise ImageUntrusted(path, "a file of the model is not a regular file (a FIFO or a device: reading it "
+                                       "could block or never end)", hint=MODEL_JSON_HINT)
+        # validate reads it even where the model's trust row failed: another user's link is not followed
+        fd = open_following_only_roots_links(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
     except FileNotFoundError:
         raise
     except OSError as exc:

@@ -44,9 +44,10 @@ from pathlib import Path
 from vsnap.host import verified
 from vsnap.host.fs import RENAME_NOREPLACE, renameat2
 from vsnap.host.paths import DEFAULT_IMAGE_ROOT, RUNTIME_DIR, require_safe_directory
-from vsnap.host.trust import is_private_dir, make_trusted_dirs, require_trusted_model
+from vsnap.host.trust import make_trusted_dirs, require_trusted_model
 from vsnap.image.compat import dependency_mismatches
 from vsnap.image.manifest import Dependency, FileEntry, Manifest
+from vsnap.image.store import make_or_adopt_staging_dir
 from vsnap.protocol.errors import (
     HostNotReady,
     ImageBusy,
@@ -58,7 +59,6 @@ from vsnap.protocol.errors import (
 
 from .oci import MODEL_STAGING_PREFIX, Artifact, Layer, Reference, require_model_path, shown
 
-SETTLE_MAX_S = 0.5  # the most a pull waits for the placed files to be old enough to record
 KEEP_HINT = "vsnap never replaces a file it did not write: move it away, then pull again"
 
 
@@ -83,10 +83,27 @@ def layers_to_push(manifest: Manifest) -> dict[str, tuple[Path, Layer]]:
                              hint="rename it in the model directory and capture again, or push without --model"
                              ) from None
     require_trusted_model(Path(model_dir))
+    _require_model_self_contained(manifest, files)
     mismatches = dependency_mismatches(list(files.values()), hash_files=True, cache_root=verified.VERIFIED_DIR)
-    if mismatches:
-        raise ImageHostMismatch(mismatches)
+    if mismatches:  # other nodes would get a model the image does not restore with
+        raise ImageHostMismatch(mismatches, hint="put the model back as it was captured, or capture the image again")
     return {rel: (Path(dep.path), Layer(rel, "raw", f"sha256:{dep.sha256}", dep.size)) for rel, dep in files.items()}
+
+
+def _require_model_self_contained(manifest: Manifest, files: dict[str, Dependency]) -> None:
+    """Refuse a model whose files are links to files outside its directory that the image also
+    depends on by their own path (Hugging Face's cache: snapshots/REV/F -> ../../blobs/SHA, and
+    the engine had the blob open): the pull would put F back as a file, never the blob, and the
+    restore on a fresh node would miss it."""
+    behind = {os.path.realpath(dep.path): rel for rel, dep in files.items() if os.path.islink(dep.path)}
+    inside = {dep.path for dep in files.values()}
+    for dep in manifest.dependencies:
+        if dep.path not in inside and dep.path in behind:
+            raise ImageError(f"the image depends on {shown(dep.path)}, the file behind {manifest.launch.model}/"
+                             f"{shown(behind[dep.path])}, outside the model directory: a pull of the model would not "
+                             "bring it", hint="capture the model from a directory of its own without links (e.g. "
+                                              "`huggingface-cli download MODEL --local-dir DIR`), or push without "
+                                              "--model and provision the model on each node")
 
 
 def staging_name(digest: str) -> str:
@@ -247,7 +264,11 @@ def _require_only_model(model_dir: Path, wanted: dict[str, Dependency]) -> None:
         where = os.path.relpath(dirpath, model_dir)
         for name in sorted(dirnames + filenames):
             rel = name if where == "." else f"{where}/{name}"
-            if rel in on_the_way and name in dirnames:  # a directory (or a root's link to one: checked at place)
+            if rel in on_the_way and name in dirnames:
+                if os.path.islink(Path(dirpath) / name):  # its files would land where none of the checks above ran
+                    raise HostNotReady("model", f"{model_dir / shown(rel)} is a link where the image's model has a "
+                                                "directory: a pull writes a model's files only into real directories",
+                                       hint=KEEP_HINT)
                 _require_roots_alone(model_dir, Path(dirpath) / name)
                 if os.stat(Path(dirpath) / name).st_dev != device:  # the staging is on the model directory's
                     raise HostNotReady("model", f"{model_dir / shown(rel)} is on another filesystem than "
@@ -272,19 +293,9 @@ def _require_only_model(model_dir: Path, wanted: dict[str, Dependency]) -> None:
 
 def _make_or_adopt_staging(model_dir: Path, reference: Reference) -> Path:
     staging = model_dir / staging_name(reference.digest or "")
-    for entry in os.scandir(model_dir):
-        other = Path(entry.path)
-        if other != staging and _STAGING.fullmatch(entry.name) and is_private_dir(other):
-            shutil.rmtree(other, ignore_errors=True)  # another pull's leftovers (vsnap's private directory)
-            verified.forget(other)
-    try:
-        os.mkdir(staging, 0o700)
-    except FileExistsError:
-        if not is_private_dir(staging):
-            raise ImageUntrusted(staging, "stands where vsnap stages the model's files and is not a private "
-                                          "directory of root's that vsnap made",
-                                 hint=f"remove {staging} yourself if it is yours to delete") from None
-    return staging
+    others = [Path(entry.path) for entry in os.scandir(model_dir) if _STAGING.fullmatch(entry.name)]
+    return make_or_adopt_staging_dir(staging, others, "the model's files", f"remove {staging} yourself if it is yours "
+                                                                        "to delete")
 
 
 def place(placement: ModelPlacement) -> None:
@@ -332,12 +343,12 @@ def _remember(dependencies: list[Dependency]) -> None:
     change is old enough for the record to take them (host.verified.settled)."""
     if not dependencies:
         return
-    deadline = time.monotonic() + SETTLE_MAX_S
-    while True:
-        now = time.time_ns()
-        stats = {dep.path: os.stat(dep.path) for dep in dependencies}
-        if all(verified.settled(st, now) for st in stats.values()) or time.monotonic() >= deadline:
-            break
-        time.sleep(0.02)
+    stats: dict[str, os.stat_result] = {}
+
+    def stat_all() -> list[os.stat_result]:
+        stats.update({dep.path: os.stat(dep.path) for dep in dependencies})
+        return list(stats.values())
+
+    statted_at = verified.wait_settled(stat_all)
     verified.remember_dependencies({dep.path: (stats[dep.path], dep.sha256 or "") for dep in dependencies},
-                                   statted_at_ns=now)
+                                   statted_at_ns=statted_at)

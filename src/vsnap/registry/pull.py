@@ -34,16 +34,17 @@ from typing import Callable
 from vsnap.host import verified
 from vsnap.host.events import ByteProgress, ProgressCallback, Timings, failpoint
 from vsnap.host.paths import DEFAULT_IMAGE_ROOT, require_safe_directory
-from vsnap.host.trust import is_private_dir
 from vsnap.image.manifest import MANIFEST, FileEntry, Manifest, read_manifest
-from vsnap.image.origin import record_origin
+from vsnap.image.origin import manifest_sha256, record_origin
 from vsnap.image.store import (
     HASH_THREADS,
     PIECE,
     check_parent,
     image_lock,
     image_read_lock,
+    is_vsnap_image,
     leftovers,
+    make_or_adopt_staging_dir,
     piece_hashes,
     publish,
     require_replaceable,
@@ -74,7 +75,6 @@ from .oci import (
 DEFAULT_JOBS = 4
 SPACE_MARGIN = 64 << 20
 RECORD_EVERY_S = 1.0  # the verified record is written at most this often during a pull (and at its end)
-SETTLE_MAX_S = 0.5    # the most a pull waits for its last files to be old enough to record (_settle)
 DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 
@@ -84,18 +84,20 @@ class PullResult:
     reference: str          # REGISTRY/REPOSITORY[:TAG]@sha256:... : what was pulled, pinned
     digest: str
     files: int
-    downloaded: int         # blobs fetched now
-    reused: int             # files an interrupted pull had already fetched and checked
-    bytes_received: int     # blob bytes fetched now (compressed where a layer is)
+    downloaded: int         # the image's blobs fetched now
+    reused: int             # image files an interrupted pull had already fetched and checked
+    bytes_received: int     # the image's blob bytes fetched now (compressed where a layer is)
     image_bytes: int
-    staging: Path
+    staging: Path | None    # None: the image was there already (a pull of its model alone)
     timings: dict[str, float]
     ranged: int = 0         # files fetched as byte ranges side by side (registry.ranged)
     model_dir: Path | None = None  # where the model's files were put (pull --model-dir)
     model_files: int = 0    # the model's files the artifact carries
     model_fetched: int = 0  # of them fetched now (the others were there already, or not asked for)
     model_bytes: int = 0    # the model files' bytes
+    model_bytes_received: int = 0  # the model's blob bytes fetched now
     model_recorded: str = ""  # the model directory the image records (where a restore needs those files)
+    image_was_there: bool = False  # the same image (manifest.json's digest) stood at the target: only the model pulled
 
 
 def default_image_dir(reference: Reference) -> Path:
@@ -107,21 +109,12 @@ def staging_dir(image_dir: Path, digest: str) -> Path:
 
 
 def make_or_adopt_staging(image_dir: Path, digest: str) -> Path:
-    """This pull's staging directory: made private, or the one an interrupted pull of the same
-    manifest left (only if vsnap made it); other pulls' leftovers for this path are removed."""
+    """This pull's staging directory beside the image (store.make_or_adopt_staging_dir); other
+    pulls' leftovers for this path are removed."""
     staging = staging_dir(image_dir, digest)
-    for leftover in leftovers(image_dir, r"\.pull-[0-9a-f]{16}"):  # NAME literally, never as a glob
-        if leftover != staging and is_private_dir(leftover):
-            shutil.rmtree(leftover, ignore_errors=True)
-            verified.forget(leftover)
-    try:
-        os.mkdir(staging, 0o700)
-    except FileExistsError:
-        if not is_private_dir(staging):
-            raise ImageUntrusted(staging, "stands where vsnap stages this pull and is not a private directory of "
-                                          "root's that vsnap made", hint=f"remove {staging} yourself if it is yours "
-                                                                          "to delete, or pull --to another path")
-    return staging
+    return make_or_adopt_staging_dir(staging, leftovers(image_dir, r"\.pull-[0-9a-f]{16}"),  # NAME literally, not a glob
+                                 "this pull", f"remove {staging} yourself if it is yours to delete, or pull --to "
+                                              "another path")
 
 
 def pull_image(reference: str | Reference, *, to: Path | None = None, force: bool = False, insecure: bool = False,
@@ -130,7 +123,8 @@ def pull_image(reference: str | Reference, *, to: Path | None = None, force: boo
     """Pull ``reference`` into ``to`` (default /var/lib/vsnap/images/<repository's last part>).
     ``parts``: how many byte ranges a large raw layer is fetched in (default: VSNAP_PULL_PARTS,
     else registry.ranged.DEFAULT_PARTS; 1: every blob in one stream). ``model_dir``: also put
-    the model's files the artifact carries there (it must be the directory the image records)."""
+    the model's files the artifact carries there (it must be the directory the image records); if
+    the same image (its manifest.json's digest) already stands at ``to``, only the model is pulled."""
     ref = parse_reference(reference) if isinstance(reference, str) else reference
     parts = ranged.parts_wanted(parts)
     image_dir = Path(to or default_image_dir(ref)).absolute()
@@ -138,52 +132,69 @@ def pull_image(reference: str | Reference, *, to: Path | None = None, force: boo
     with timings.phase("preflight"):
         require_safe_directory(str(image_dir), "the image")
         check_parent(image_dir)
-        require_replaceable(image_dir, force, elsewhere="pull into another --to")
+        if model_dir is None:  # else decided once the manifest is known: the same image there is kept
+            require_replaceable(image_dir, force, elsewhere="pull into another --to")
     with image_lock(image_dir), ExitStack() as held:  # one capture or pull per image path (held: its model dir)
-        require_replaceable(image_dir, force, elsewhere="pull into another --to")
         with timings.phase("connect"):
             client = per_thread_clients(ref, insecure=insecure)
             client()
         with timings.phase("fetch manifest"):
-            artifact, manifest, staging = _fetch_manifest(client(), ref, image_dir)
+            artifact, config = _fetch_artifact(client(), ref)
+            there = model_dir is not None and not force and _same_image_there(image_dir, artifact)
+            if there:  # only its model is wanted: the image stays as it is
+                manifest, staging = read_manifest(image_dir), None
+                require_trust(image_dir, manifest)
+                match_manifest(artifact, manifest)
+            else:
+                require_replaceable(image_dir, force, elsewhere="pull into another --to")
+                manifest, staging = _stage_manifest(ref, image_dir, artifact, config)
             model = (model_files.prepare(model_dir, manifest, artifact, image_dir=image_dir, held=held)
                      if model_dir is not None else None)
-            _require_space(ref, image_dir, [(staging, manifest.files)]
+            _require_space(ref, image_dir, ([(staging, manifest.files)] if staging is not None else [])
                            + ([(model.staging, model.entries)] if model is not None else []))
         with timings.phase("download blobs"):
             progress = timings.progress("download blobs", 0)  # each file set adds what it must fetch
-            downloads = []
-            if model is not None:  # the model first: the image is published only once its model is in place
-                downloads.append(_Downloads(model.staging, model.entries, model.layers, str(artifact.reference), parts,
-                                            progress))
+            reference = str(artifact.reference)
+            # the model first: the image is published only once its model is in place
+            fetching = _Downloads(model.staging, model.entries, model.layers, reference, parts, progress) \
+                if model is not None else None
             fetched = _Downloads(staging, manifest.files, {layer.path: layer for layer in artifact.layers},
-                                 str(artifact.reference), parts, progress)
-            downloads.append(fetched)
-            for download in downloads:
+                                 reference, parts, progress) if staging is not None else None
+            for download in (fetching, fetched):
+                if download is None:
+                    continue
                 try:
                     download.run(client, jobs)
                 except OSError as exc:
                     if exc.errno not in DISK_ERRNOS:
                         raise
                     raise _disk_full(ref, download.staging, len(download.checked), len(download.entries)) from None
-        with timings.phase("verify"):
-            verify_files(staging, manifest, cache_root=verified.VERIFIED_DIR)  # the trust model, every file
+        if staging is not None:
+            with timings.phase("verify"):
+                verify_files(staging, manifest, cache_root=verified.VERIFIED_DIR)  # the trust model, every file
         if model is not None:
             with timings.phase("place model"):
                 model_files.place(model)
-        with timings.phase("publish"):
-            with image_read_lock(image_dir, exclusive=True):  # no restore is reading an older image there
-                publish(staging, image_dir)
-            verified.remember(image_dir, {rel: (os.lstat(image_dir / rel), entry.digest)
-                                          for rel, entry in manifest.files.items()})
-            verified.forget(staging)
-            record_origin(image_dir, str(artifact.reference))  # `vsnap images`: where it came from
-    return PullResult(image_dir, str(artifact.reference), artifact.reference.digest or "", len(manifest.files),
-                      sum(d.downloaded for d in downloads), fetched.reused, sum(d.bytes_received for d in downloads),
-                      sum(e.size for e in manifest.files.values()), staging, dict(timings.seconds),
-                      sum(d.ranged for d in downloads), model.model_dir if model is not None else None,
-                      len(artifact.model_layers), len(model.entries) if model is not None else 0,
-                      sum(layer.size for layer in artifact.model_layers), manifest.launch.model)
+        if staging is not None:
+            with timings.phase("publish"):
+                with image_read_lock(image_dir, exclusive=True):  # no restore is reading an older image there
+                    publish(staging, image_dir)
+                verified.remember(image_dir, {rel: (os.lstat(image_dir / rel), entry.digest)
+                                              for rel, entry in manifest.files.items()})
+                verified.forget(staging)
+                record_origin(image_dir, reference)  # `vsnap images`: where it came from
+    return PullResult(image_dir, reference, artifact.reference.digest or "", len(manifest.files),
+                      fetched.downloaded if fetched else 0, fetched.reused if fetched else len(manifest.files),
+                      fetched.bytes_received if fetched else 0, sum(e.size for e in manifest.files.values()), staging,
+                      dict(timings.seconds), sum(d.ranged for d in (fetching, fetched) if d is not None),
+                      model.model_dir if model is not None else None, len(artifact.model_layers),
+                      fetching.downloaded if fetching else 0, sum(layer.size for layer in artifact.model_layers),
+                      fetching.bytes_received if fetching else 0, manifest.launch.model, there)
+
+
+def _same_image_there(image_dir: Path, artifact: Artifact) -> bool:
+    """An image stands at ``image_dir`` whose manifest.json is the artifact's config, byte for byte."""
+    return is_vsnap_image(image_dir) and f"sha256:{manifest_sha256(image_dir)}" == artifact.config_digest
 
 
 def _disk_full(ref: Reference, staging: Path, kept: int, files: int) -> HostNotReady:
@@ -213,8 +224,8 @@ def _require_space(ref: Reference, image_dir: Path, stagings: list[tuple[Path, d
                                hint="free space there, or pull --to a directory on another disk")
 
 
-def _fetch_manifest(client: RegistryClient, ref: Reference, image_dir: Path) -> tuple[Artifact, Manifest, Path]:
-    """The OCI manifest and manifest.json, every check that needs no payload; the staging dir."""
+def _fetch_artifact(client: RegistryClient, ref: Reference) -> tuple[Artifact, bytes]:
+    """The OCI manifest, checked, and its config blob (manifest.json's bytes), checked against its digest."""
     data, content_type = client.get_manifest(MAX_OCI_MANIFEST_BYTES)
     if content_type and content_type != OCI_MANIFEST:
         raise ArtifactError(str(ref), f"{ref} is not an OCI image manifest (Content-Type {content_type[:80]})",
@@ -224,6 +235,11 @@ def _fetch_manifest(client: RegistryClient, ref: Reference, image_dir: Path) -> 
     if len(config) != artifact.config_size or sha256_digest(config) != artifact.config_digest:
         raise ArtifactError(str(ref), f"{ref}: its manifest.json blob does not match its digest",
                             file=MANIFEST, hint="the registry's copy was altered or damaged; push the image again")
+    return artifact, config
+
+
+def _stage_manifest(ref: Reference, image_dir: Path, artifact: Artifact, config: bytes) -> tuple[Manifest, Path]:
+    """The staging directory with manifest.json in it, and every check that needs no payload."""
     staging = make_or_adopt_staging(image_dir, artifact.reference.digest or "")
     shutil.rmtree(staging / INCOMING, ignore_errors=True)  # partial blobs of a failed pull: free before counting
     try:
@@ -236,7 +252,7 @@ def _fetch_manifest(client: RegistryClient, ref: Reference, image_dir: Path) -> 
     require_trust(staging, manifest)   # every path inside the image, shm names plain
     require_safe_directory(manifest.control_dir, "the manifest's control_dir")  # as a restore will, before 20 GB
     match_manifest(artifact, manifest)
-    return artifact, manifest, staging
+    return manifest, staging
 
 
 class _Downloads:
@@ -274,17 +290,15 @@ class _Downloads:
         os.rmdir(incoming)
 
     def _settle(self) -> None:
-        """Wait, at most SETTLE_MAX_S, until every file checked is old enough for the verified
-        record to take it (host.verified.settled: its ctime a tick older than the record): the
-        last files renamed into place, the weights file of many GB among them, would otherwise
-        be left out of the final record and hashed again by the verify phase."""
-        deadline = time.monotonic() + SETTLE_MAX_S
-        while time.monotonic() < deadline:
-            now = time.time_ns()
+        """Wait (host.verified.wait_settled) until every file checked is old enough for the
+        verified record to take it: the last files renamed into place, the weights file of many
+        GB among them, would otherwise be left out of the final record and hashed again by the
+        verify phase."""
+        def stats() -> list[os.stat_result]:
             with self._lock:
-                if all(verified.settled(st, now) for st, _ in self.checked.values()):
-                    return
-            time.sleep(0.02)
+                return [st for st, _ in self.checked.values()]
+
+        verified.wait_settled(stats)
 
     def _record(self) -> None:
         """Write the verified record of what is checked so far (the caller holds the lock). The
