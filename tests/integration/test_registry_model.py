@@ -105,6 +105,9 @@ def test_a_fresh_node_pulls_image_and_model_and_restores(node: Node) -> None:
         refused = subprocess.run([VSNAP, "restore", str(target), "--json"], capture_output=True, text=True, timeout=120)
         assert refused.returncode == 4 and str(node.model / "model.safetensors") in refused.stdout, refused.stdout
         assert f"--model-dir {node.model}" in json.loads(refused.stdout)["hint"]
+        checked = subprocess.run([VSNAP, "validate", str(target), "--json"], capture_output=True, text=True, timeout=120)
+        [host] = [c for c in json.loads(checked.stdout)["checks"] if c["name"] == "host match"]
+        assert not host["ok"] and f"--model-dir {node.model}" in host["error"]["hint"]  # validate says so too
         assert not node.model.exists()
 
         # the image is here already (the same manifest.json): only its model is pulled, no --force

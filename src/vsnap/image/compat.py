@@ -213,11 +213,11 @@ def require_host_matches(manifest: Manifest, current: HostFacts | Future[HostFac
     differences = host_differences(manifest, current, hash_files=True, cache_root=cache_root)
     fatal = [d for d in differences if d.fatal]
     if fatal:
-        raise ImageHostMismatch([d.triple for d in fatal], hint=_model_missing_hint(manifest, fatal))
+        raise ImageHostMismatch([d.triple for d in fatal], hint=model_missing_hint(manifest, fatal))
     return differences
 
 
-def _model_missing_hint(manifest: Manifest, fatal: list[HostDifference]) -> str:
+def model_missing_hint(manifest: Manifest, fatal: list[HostDifference]) -> str:
     """Where model files are missing (a fresh node): how to bring them; else the default hint."""
     model_paths = {f"file {dep.path}" for dep in manifest.model_files().values()}
     if any(d.fact in model_paths and d.current == "missing" for d in fatal):

@@ -9,7 +9,7 @@ from pathlib import Path
 from vsnap.host.facts import Check, preflight, run_check
 from vsnap.host.trust import require_trusted_ancestors, require_trusted_model, require_trusted_tree
 from vsnap.host.verified import VERIFIED_DIR
-from vsnap.image.compat import host_differences
+from vsnap.image.compat import host_differences, model_missing_hint
 from vsnap.image.handle import open_image
 from vsnap.image.manifest import MANIFEST
 from vsnap.protocol.errors import ImageHostMismatch, VsnapError
@@ -125,7 +125,7 @@ def _validate_image(image_dir: Path) -> ValidationReport:
     differences = host_differences(manifest, hash_files=True, cache_root=VERIFIED_DIR, rehash=True)
     fatal = [d for d in differences if d.fatal]
     if fatal:
-        error = ImageHostMismatch([d.triple for d in fatal])
+        error = ImageHostMismatch([d.triple for d in fatal], hint=model_missing_hint(manifest, fatal))
         report.checks.append(Check("host match", False, error.message, error))
     else:
         report.checks.append(Check("host match", True, f"python {manifest.host.python}, torch {manifest.host.torch}, "
