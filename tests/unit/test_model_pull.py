@@ -464,3 +464,95 @@ def test_a_link_where_the_model_has_a_directory_is_refused_before_any_blob(
     with pytest.raises(HostNotReady, match=r"sub is a link where the image's model has a directory"):
         pull_image(ref, to=images(tmp_path) / "x", model_dir=model_dir)
     assert list(elsewhere.iterdir()) == []
+
+
+def test_a_damaged_image_beside_its_model_is_not_kept_as_pulled(
+        serve: Callable[[], Server], tmp_path: Path) -> None:
+    """The same manifest.json at --to, a file of the image changed: the pull must not say it is
+    there (a restore would then refuse it); refused with what to do, the image left as it was."""
+    from vsnap.protocol.errors import ImageTampered
+
+    registry = serve()
+    model_dir = models(tmp_path) / "m"
+    ref, _ = model_image(registry, str(model_dir), {"a.bin": b"a" * 5000})
+    target = images(tmp_path) / "x"
+    pull_image(ref, to=target)
+    pages = target / "criu" / "pages-1.img"
+    pages.write_bytes(b"q" * 1000)  # same size, other bytes
+    with pytest.raises(ImageTampered, match="pages-1.img") as refused:
+        pull_image(ref, to=target, model_dir=model_dir)
+    assert "--force" in refused.value.hint
+    assert pages.read_bytes() == b"q" * 1000 and not (model_dir / "a.bin").exists()
+
+
+def test_a_link_or_another_users_directory_at_to_is_never_kept_as_the_image(
+        serve: Callable[[], Server], tmp_path: Path) -> None:
+    """The same image behind root's link at --to, or in a directory another user owns: a pull of
+    the model alone never follows the link nor takes the directory as the image."""
+    import shutil
+
+    from vsnap.protocol.errors import ImageError
+
+    registry = serve()
+    model_dir = models(tmp_path) / "m"
+    ref, _ = model_image(registry, str(model_dir), {"a.bin": b"a" * 5000})
+    real = images(tmp_path) / "real"
+    pull_image(ref, to=real)
+    link = images(tmp_path) / "link"
+    link.symlink_to(real)
+    with pytest.raises(ImageUntrusted, match="symlink"):
+        pull_image(ref, to=link, model_dir=model_dir)
+    assert link.is_symlink() and not model_dir.exists()
+
+    theirs = images(tmp_path) / "theirs"
+    shutil.copytree(real, theirs, symlinks=True)
+    for path in [theirs, *theirs.rglob("*")]:
+        os.chown(path, 1000, 1000, follow_symlinks=False)
+    with pytest.raises(ImageError):
+        pull_image(ref, to=theirs, model_dir=model_dir)
+    assert not model_dir.exists() and os.stat(theirs).st_uid == 1000
+
+
+def test_a_fetched_model_file_changed_before_it_is_placed_is_not_recorded_as_verified(
+        serve: Callable[[], Server], tmp_path: Path) -> None:
+    """A model file fetched and checked first, changed in place (by root) while the image's blobs
+    still download: the record never takes it with the image's sha256 (the first restore hashes it
+    again and refuses it)."""
+    from vsnap.registry.oci import MODEL_STAGING_PREFIX
+
+    registry = serve()
+    model_dir = models(tmp_path) / "m"
+    fetched = b"f" * 4096
+
+    def change_staged(digest: str) -> None:
+        if digest == sha256_digest(IMAGE_FILES["criu/pages-1.img"]):  # the image's blobs come after the model's
+            for staged in model_dir.glob(f"{MODEL_STAGING_PREFIX}*/w.bin"):
+                with open(staged, "r+b") as f:
+                    f.write(b"X")
+    ref, doc = model_image(registry, str(model_dir), {"w.bin": fetched}, blob_hook=change_staged)
+    pull_image(ref, to=images(tmp_path) / "x", model_dir=model_dir, jobs=1)
+    assert (model_dir / "w.bin").read_bytes()[:1] == b"X"  # the hook ran
+    dep = next(d for d in doc.dependencies if d.path.endswith("w.bin"))
+    assert dependency_mismatches([dep], hash_files=True, cache_root=verified.VERIFIED_DIR), \
+        "the record says the changed file is the image's"
+
+
+def test_a_progress_display_that_fails_never_fails_the_pull(
+        serve: Callable[[], Server], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The progress callback runs in the transfer threads: one that raises (stderr's reader gone:
+    BrokenPipeError) stops the progress lines, never a blob's download."""
+    from vsnap.host import events
+
+    monkeypatch.setattr(events.ByteProgress, "EVERY_S", 0.0)
+    registry = serve()
+    model_dir = models(tmp_path) / "m"
+    ref, _ = model_image(registry, str(model_dir), {"a.bin": b"a" * 70000})
+    calls: list[str] = []
+
+    def on_event(event: events.PhaseEvent) -> None:
+        if event.state == "progress":
+            calls.append(event.phase)
+            raise BrokenPipeError(32, "Broken pipe")
+    result = pull_image(ref, to=images(tmp_path) / "x", model_dir=model_dir, jobs=2, on_event=on_event)
+    assert result.model_fetched == 1 and result.downloaded == len(IMAGE_FILES)
+    assert 1 <= len(calls) <= 2  # reported once (by each of the two threads at most), then no more

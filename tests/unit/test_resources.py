@@ -273,3 +273,29 @@ def test_a_manifest_process_size_that_a_capture_does_not_write_is_refused(tmp_pa
         resources.restore_needs(manifest, meminfo(tmp_path, 3_000_000))
     for fine in ({"pid": 1}, {"pid": 1, "anonymous_bytes": None}):
         assert resources.restore_needs(fake_image.manifest(processes=[fine]), meminfo(tmp_path, 1))[0].need == 0
+
+
+def test_another_users_link_to_a_device_is_refused_as_theirs_never_statted_through(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model's JSON behind a link of another user's to a device: refused for the link, without
+    a stat through it (a stat follows the link: an automount or a FUSE mount of theirs behind it can
+    hang or act), and a file swapped after the check is never opened (the checked file is the one read)."""
+    import os
+
+    from vsnap.protocol.errors import ImageUntrusted
+
+    directory = model(tmp_path, {"model.safetensors": 1000})
+    link = directory / "model.safetensors.index.json"
+    link.symlink_to("/dev/null")
+    os.lchown(link, 65534, 65534)
+    followed: list[str] = []
+    real_stat = os.stat
+
+    def stat(path: object, *args: object, **kwargs: object) -> os.stat_result:
+        if str(path) == str(link) and kwargs.get("follow_symlinks", True):
+            followed.append(str(path))
+        return real_stat(path, *args, **kwargs)  # type: ignore[arg-type]
+    monkeypatch.setattr(os, "stat", stat)
+    with pytest.raises(ImageUntrusted, match="symlink .* owned by uid 65534"):
+        resources.weights_bytes(directory)
+    assert followed == []

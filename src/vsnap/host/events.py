@@ -92,6 +92,7 @@ class ByteProgress:
         self.done_bytes = 0
         self._lock = threading.Lock()
         self._reported_at = time.monotonic()
+        self._failed = False
 
     def expect(self, nbytes: int) -> None:
         """More bytes to come than announced (a pull learns what it must fetch file set by file set)."""
@@ -99,11 +100,16 @@ class ByteProgress:
             self.total_bytes = (self.total_bytes or 0) + nbytes
 
     def add(self, nbytes: int) -> None:
+        """Count ``nbytes`` (from the transfer thread that moved them). The report never fails the
+        transfer: a callback that raises (stderr's reader gone) is not called again."""
         with self._lock:
             self.done_bytes += nbytes
             now = time.monotonic()
-            if now - self._reported_at < self.EVERY_S:
+            if self._failed or now - self._reported_at < self.EVERY_S:
                 return
             self._reported_at = now
             event = PhaseEvent(self.phase, "progress", None, self.done_bytes, self.total_bytes)
-        self._on_event(event)
+        try:
+            self._on_event(event)
+        except Exception:  # only a display: the bytes still count, the download goes on
+            self._failed = True

@@ -127,11 +127,17 @@ def _model_json(path: Path) -> Any:
     recursing without bound. FileNotFoundError if absent; ValueError if it is not JSON;
     ImageUntrusted for a file that must not be read (its link followed: a snapshot's are links)."""
     try:
-        if not stat.S_ISREG(os.stat(path).st_mode):  # before opening: opening a device can act on it
-            raise ImageUntrusted(path, "a file of the model is not a regular file (a FIFO or a device: reading it "
-                                       "could block or never end)", hint=MODEL_JSON_HINT)
         # validate reads it even where the model's trust row failed: another user's link is not followed
-        fd = open_following_only_roots_links(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+        # (nor statted through); O_PATH: the file found, not opened (opening a device can act on it)
+        where = open_following_only_roots_links(path, os.O_PATH)
+        try:
+            if not stat.S_ISREG(os.fstat(where).st_mode):
+                raise ImageUntrusted(path, "a file of the model is not a regular file (a FIFO or a device: reading "
+                                           "it could block or never end)", hint=MODEL_JSON_HINT)
+            # that very file opened for reading: nothing swapped in since the check
+            fd = os.open(f"/proc/self/fd/{where}", os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+        finally:
+            os.close(where)
     except FileNotFoundError:
         raise
     except OSError as exc:

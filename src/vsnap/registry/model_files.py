@@ -298,10 +298,12 @@ def _make_or_adopt_staging(model_dir: Path, reference: Reference) -> Path:
                                                                         "to delete")
 
 
-def place(placement: ModelPlacement) -> None:
+def place(placement: ModelPlacement, checked: dict[str, tuple[os.stat_result, str]] | None = None) -> None:
     """Move the fetched files from the staging directory into the model directory, never over
     anything (a file that appeared there meanwhile is kept if it is the image's, else refused),
-    remove the staging directory, and remember the model files' digests for the first restore."""
+    remove the staging directory, and remember the model files' digests for the first restore:
+    only a file still as it was when its download checked it (``checked``: rel -> its stat then)."""
+    placed: dict[str, os.stat_result] = {}
     for rel in sorted(placement.entries):
         target = placement.model_dir / rel
         if "/" in rel:
@@ -310,25 +312,41 @@ def place(placement: ModelPlacement) -> None:
             renameat2(placement.staging / rel, target, RENAME_NOREPLACE)
         except OSError as exc:
             if exc.errno == errno.EEXIST:
-                _require_same(placement.wanted[rel])
+                _require_same(placement.wanted[rel])  # hashed now, and recorded by that check
+                continue
             elif exc.errno in (errno.ENOSYS, errno.EINVAL):  # no renameat2 here: link() never replaces either
-                _link_into_place(placement.staging / rel, target, placement.wanted[rel])
+                if not _link_into_place(placement.staging / rel, target, placement.wanted[rel]):
+                    continue
             else:
                 raise
+        now, was = os.lstat(target), (checked or {}).get(rel)
+        if was is not None and _unchanged(was[0], now):  # the rename changed its ctime, never its content
+            placed[rel] = now
     shutil.rmtree(placement.staging)
     verified.forget(placement.staging)
-    _remember([placement.wanted[rel] for rel in placement.entries])
+    _remember({placement.wanted[rel].path: (st, placement.wanted[rel].sha256 or "") for rel, st in placed.items()})
     # the kept files as they were checked: one changed since (even by root) is dropped from the record
     verified.remember_dependencies({dep.path: (placement.kept_stats[rel], dep.sha256 or "")
                                     for rel, dep in placement.kept.items() if rel in placement.kept_stats},
                                    statted_at_ns=placement.kept_at_ns)
 
 
-def _link_into_place(source: Path, target: Path, dep: Dependency) -> None:
+def _unchanged(checked: os.stat_result, placed: os.stat_result) -> bool:
+    """The file placed is the one checked, not written since (a write moves its mtime; the rename
+    its ctime alone)."""
+    return (stat.S_ISREG(placed.st_mode) and (checked.st_dev, checked.st_ino, checked.st_size, checked.st_mtime_ns)
+            == (placed.st_dev, placed.st_ino, placed.st_size, placed.st_mtime_ns)
+            and checked.st_ctime_ns <= placed.st_ctime_ns)
+
+
+def _link_into_place(source: Path, target: Path, dep: Dependency) -> bool:
+    """True: linked into place; False: the image's file was there already (checked, recorded)."""
     try:
         os.link(source, target)
     except FileExistsError:
         _require_same(dep)
+        return False
+    return True
 
 
 def _require_same(dep: Dependency) -> None:
@@ -338,17 +356,11 @@ def _require_same(dep: Dependency) -> None:
                            hint=KEEP_HINT)
 
 
-def _remember(dependencies: list[Dependency]) -> None:
-    """Record the placed model files' digests (checked as they were written) once their last
-    change is old enough for the record to take them (host.verified.settled)."""
-    if not dependencies:
+def _remember(placed: dict[str, tuple[os.stat_result, str]]) -> None:
+    """Record the placed model files' digests (path -> their stat just after placing, and the sha256
+    their download checked) once their last change is old enough for the record to take them
+    (host.verified.settled); one changed since those stats (even by root) is left out."""
+    if not placed:
         return
-    stats: dict[str, os.stat_result] = {}
-
-    def stat_all() -> list[os.stat_result]:
-        stats.update({dep.path: os.stat(dep.path) for dep in dependencies})
-        return list(stats.values())
-
-    statted_at = verified.wait_settled(stat_all)
-    verified.remember_dependencies({dep.path: (stats[dep.path], dep.sha256 or "") for dep in dependencies},
-                                   statted_at_ns=statted_at)
+    statted_at = verified.wait_settled(lambda: [st for st, _ in placed.values()])
+    verified.remember_dependencies(placed, statted_at_ns=statted_at)

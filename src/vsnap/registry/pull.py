@@ -53,7 +53,7 @@ from vsnap.image.store import (
     verify_files,
 )
 from vsnap.protocol.control import write_atomic
-from vsnap.protocol.errors import ArtifactError, HostNotReady, ImageUntrusted
+from vsnap.protocol.errors import ArtifactError, HostNotReady, ImageTampered, ImageUntrusted
 
 from . import model_files, ranged
 from .blobio import checking, parallel, write_blob
@@ -141,10 +141,8 @@ def pull_image(reference: str | Reference, *, to: Path | None = None, force: boo
         with timings.phase("fetch manifest"):
             artifact, config = _fetch_artifact(client(), ref)
             there = model_dir is not None and not force and _same_image_there(image_dir, artifact)
-            if there:  # only its model is wanted: the image stays as it is
-                manifest, staging = read_manifest(image_dir), None
-                require_trust(image_dir, manifest)
-                match_manifest(artifact, manifest)
+            if there:  # only its model is wanted: the image stays as it is, once it is whole
+                manifest, staging = _image_there(image_dir, artifact), None
             else:
                 require_replaceable(image_dir, force, elsewhere="pull into another --to")
                 manifest, staging = _stage_manifest(ref, image_dir, artifact, config)
@@ -174,7 +172,7 @@ def pull_image(reference: str | Reference, *, to: Path | None = None, force: boo
                 verify_files(staging, manifest, cache_root=verified.VERIFIED_DIR)  # the trust model, every file
         if model is not None:
             with timings.phase("place model"):
-                model_files.place(model)
+                model_files.place(model, fetching.checked if fetching is not None else None)
         if staging is not None:
             with timings.phase("publish"):
                 with image_read_lock(image_dir, exclusive=True):  # no restore is reading an older image there
@@ -193,8 +191,33 @@ def pull_image(reference: str | Reference, *, to: Path | None = None, force: boo
 
 
 def _same_image_there(image_dir: Path, artifact: Artifact) -> bool:
-    """An image stands at ``image_dir`` whose manifest.json is the artifact's config, byte for byte."""
+    """An image stands at ``image_dir`` whose manifest.json is the artifact's config, byte for byte:
+    a real directory of root's that only root may write (a link, or another user's directory, is
+    never taken as the image: require_replaceable then refuses it as any pull over it)."""
+    try:
+        st = os.lstat(image_dir)
+    except OSError:
+        return False
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        return False
     return is_vsnap_image(image_dir) and f"sha256:{manifest_sha256(image_dir)}" == artifact.config_digest
+
+
+def _image_there(image_dir: Path, artifact: Artifact) -> Manifest:
+    """The manifest of the same image at ``image_dir``, once every file of it is checked (the trust
+    model, each file's size and sha256, the verified record sparing what this host hashed): an image
+    damaged or altered there is refused, never reported as pulled."""
+    manifest = read_manifest(image_dir)
+    require_trust(image_dir, manifest)
+    match_manifest(artifact, manifest)
+    try:
+        verify_files(image_dir, manifest, cache_root=verified.VERIFIED_DIR)
+        if f"sha256:{manifest_sha256(image_dir)}" != artifact.config_digest:  # changed meanwhile (root alone can)
+            raise ImageTampered(MANIFEST, artifact.config_digest, "another manifest.json")
+    except ImageTampered as exc:
+        exc.hint = "the image there was altered or damaged: pull again with --force to replace it"
+        raise
+    return manifest
 
 
 def _disk_full(ref: Reference, staging: Path, kept: int, files: int) -> HostNotReady:
