@@ -15,6 +15,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
+from typing import Callable
 
 
 @dataclass
@@ -81,14 +82,19 @@ def run_load(url: str, *, concurrency: int = 4, seconds: float = 10.0, max_reque
                     if len(result.error_samples) < 5:
                         result.error_samples.append(problem)
 
+    result.seconds = _on_threads(worker, concurrency, seconds + 120)
+    return result
+
+
+def _on_threads(worker: Callable[[], None], concurrency: int, join_s: float) -> float:
+    """``worker`` on ``concurrency`` daemon threads, each waited for at most ``join_s``; the wall time."""
     threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
     started = time.monotonic()
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(timeout=seconds + 120)
-    result.seconds = time.monotonic() - started
-    return result
+        thread.join(timeout=join_s)
+    return time.monotonic() - started
 
 
 @dataclass
@@ -146,11 +152,5 @@ def run_throughput(url: str, model: str, prompts: list[str], *, requests: int = 
                     if len(result.error_samples) < 5:
                         result.error_samples.append(problem[:300])
 
-    threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
-    started = time.monotonic()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=timeout_s + 60)
-    result.seconds = time.monotonic() - started
+    result.seconds = _on_threads(worker, concurrency, timeout_s + 60)
     return result
