@@ -181,13 +181,17 @@ def pull_image(reference: str | Reference, *, to: Path | None = None, force: boo
                                               for rel, entry in manifest.files.items()})
                 verified.forget(staging)
                 record_origin(image_dir, reference)  # `vsnap images`: where it came from
-    return PullResult(image_dir, reference, artifact.reference.digest or "", len(manifest.files),
-                      fetched.downloaded if fetched else 0, fetched.reused if fetched else len(manifest.files),
-                      fetched.bytes_received if fetched else 0, sum(e.size for e in manifest.files.values()), staging,
-                      dict(timings.seconds), sum(d.ranged for d in (fetching, fetched) if d is not None),
-                      model.model_dir if model is not None else None, len(artifact.model_layers),
-                      fetching.downloaded if fetching else 0, sum(layer.size for layer in artifact.model_layers),
-                      fetching.bytes_received if fetching else 0, manifest.launch.model, there)
+    return PullResult(
+        image_dir=image_dir, reference=reference, digest=artifact.reference.digest or "", files=len(manifest.files),
+        downloaded=fetched.downloaded if fetched else 0, reused=fetched.reused if fetched else len(manifest.files),
+        bytes_received=fetched.bytes_received if fetched else 0,
+        image_bytes=sum(e.size for e in manifest.files.values()), staging=staging, timings=dict(timings.seconds),
+        ranged=sum(d.ranged for d in (fetching, fetched) if d is not None),
+        model_dir=model.model_dir if model is not None else None, model_files=len(artifact.model_layers),
+        model_fetched=fetching.downloaded if fetching else 0,
+        model_bytes=sum(layer.size for layer in artifact.model_layers),
+        model_bytes_received=fetching.bytes_received if fetching else 0, model_recorded=manifest.launch.model,
+        image_was_there=there)
 
 
 def _same_image_there(image_dir: Path, artifact: Artifact) -> bool:
