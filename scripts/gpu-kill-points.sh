@@ -18,6 +18,9 @@ mkdir -p "$OUT"
 . "$REPO/scripts/gpu-env.sh"
 [ -f "$IMAGE/manifest.json" ] || { echo "gpu-kill-points: no image at $IMAGE: run scripts/gpu-e2e.sh first" >&2; exit 14; }
 rm -f "$OUT/kill-points.jsonl"
+# the tests run `vsnap` from beside their interpreter (tests/conftest.py); this machine's venv has none
+VSNAP_BIN=$(dirname "$PY")/vsnap
+[ -x "$VSNAP_BIN" ] || { printf '#!/bin/sh\nexec %s -m vsnap "$@"\n' "$PY" > "$VSNAP_BIN" && chmod 755 "$VSNAP_BIN"; }
 nvidia-smi --query-gpu=memory.used --format=csv,noheader > "$OUT/gpu-before.txt"
 VSNAP_TEST_IMAGE=$IMAGE VSNAP_KILL_POINTS_OUT=$OUT/kill-points.jsonl \
   "$PY" -m pytest -m gpu -s -q -p no:cacheprovider tests/gpu/test_activation_kill.py > "$OUT/pytest.log" 2>&1
