@@ -39,6 +39,16 @@ AUTH = base64.b64encode(b"alice:wonder").decode()
 Handler = Callable[["Hostile"], None]
 
 
+def with_basic_auth(fn: Handler) -> Handler:
+    """``fn`` behind the docker config's Basic login (AUTH): a 401 asking for it without."""
+    def check(h: "Hostile") -> None:
+        if h.headers.get("Authorization") != f"Basic {AUTH}":
+            h.reply(401, b"", {"Www-Authenticate": 'Basic realm="r"'})
+        else:
+            fn(h)
+    return check
+
+
 @dataclass
 class Seen:
     method: str
@@ -432,19 +442,11 @@ def test_an_upload_location_on_another_origin_gets_no_credentials(
         serve: Callable[[], Server], tmp_path: Path) -> None:
     elsewhere = serve()
     registry = serve()
-
-    def basic(fn: Handler) -> Handler:
-        def check(h: Hostile) -> None:
-            if h.headers.get("Authorization") != f"Basic {AUTH}":
-                h.reply(401, b"", {"Www-Authenticate": 'Basic realm="r"'})
-            else:
-                fn(h)
-        return check
-    registry.route("GET", "/v2/$")(basic(lambda h: h.reply(200, b"{}")))
-    registry.route("HEAD", "/v2/vsnap/x/blobs/")(basic(lambda h: h.reply(404)))
+    registry.route("GET", "/v2/$")(with_basic_auth(lambda h: h.reply(200, b"{}")))
+    registry.route("HEAD", "/v2/vsnap/x/blobs/")(with_basic_auth(lambda h: h.reply(404)))
     registry.route("POST", "/v2/vsnap/x/blobs/uploads/")(
-        basic(lambda h: h.reply(202, b"", {"Location": f"http://{elsewhere.address}/upload/1"})))
-    registry.route("PUT", "/v2/vsnap/x/manifests/")(basic(lambda h: (h.drain(), h.reply(201))[1]))
+        with_basic_auth(lambda h: h.reply(202, b"", {"Location": f"http://{elsewhere.address}/upload/1"})))
+    registry.route("PUT", "/v2/vsnap/x/manifests/")(with_basic_auth(lambda h: (h.drain(), h.reply(201))[1]))
     elsewhere.route("PATCH", "/upload/")(
         lambda h: (h.drain(), h.reply(202, b"", {"Location": f"http://{elsewhere.address}/upload/1"}))[1])
     elsewhere.route("PUT", "/upload/")(lambda h: (h.drain(), h.reply(201))[1])

@@ -42,6 +42,7 @@ from tests.integration.test_registry_hostile import (  # noqa: F401  (serve: the
     serve,
     target,
     vsnap,
+    with_basic_auth,
 )
 from tests.unit.fake_image import make_image, manifest
 from vsnap import read_manifest
@@ -425,16 +426,10 @@ def test_ranges_redirected_to_storage_take_the_range_and_not_the_login(
         real(h)
     storage.routes[("GET", "/storage/")] = recording
 
-    def guarded(fn: Callable[[Hostile], None]) -> Callable[[Hostile], None]:
-        def check(h: Hostile) -> None:
-            if h.headers.get("Authorization") != f"Basic {AUTH}":
-                h.reply(401, b"", {"Www-Authenticate": 'Basic realm="r"'})
-            else:
-                fn(h)
-        return check
     registry.route("GET", "/v2/$")(lambda h: h.reply(401, b"", {"Www-Authenticate": 'Basic realm="r"'}))
-    registry.route("GET", "/v2/vsnap/x/manifests/")(guarded(storage.routes[("GET", "/v2/vsnap/x/manifests/v1")]))
-    registry.route("GET", "/v2/vsnap/x/blobs/")(guarded(lambda h: h.reply(
+    manifest_route = storage.routes[("GET", "/v2/vsnap/x/manifests/v1")]
+    registry.route("GET", "/v2/vsnap/x/manifests/")(with_basic_auth(manifest_route))
+    registry.route("GET", "/v2/vsnap/x/blobs/")(with_basic_auth(lambda h: h.reply(
         307, b"", {"Location": f"http://{storage.address}/storage/" + h.path.rsplit("/", 1)[-1]})))
     for key, value in docker_config(tmp_path, registry.address).items():
         monkeypatch.setenv(key, value)
