@@ -135,8 +135,11 @@ def make_trusted_dirs(path: Path) -> Path:
             except ImageUntrusted:
                 os.close(step)
                 raise
-            os.close(fd)
-            fd, walked = step, walked / part
+            # the walk's fd moves on before the old one is closed: an exception from a signal
+            # handler (vsnap serve's SIGTERM) between the two must not leave `finally` closing an
+            # fd already closed (EBADF replaced the stop with a traceback)
+            previous, fd, walked = fd, step, walked / part
+            os.close(previous)
     finally:
         os.close(fd)
     return path
@@ -401,8 +404,8 @@ def open_following_only_roots_links(path: Path, flags: int = os.O_RDONLY | os.O_
                                                       hint="give the real path of a file you may read"),
                     too_many=lambda: OSError(errno.ELOOP, os.strerror(errno.ELOOP), str(path)))
                 continue
-            os.close(fd)
-            fd = step
+            previous, fd = fd, step  # as in make_trusted_dirs: never an fd closed twice
+            os.close(previous)
         opened = os.open(f"/proc/self/fd/{fd}", flags | os.O_CLOEXEC)  # reopen the final O_PATH fd for reading
         return opened
     finally:
