@@ -64,10 +64,12 @@ MAX_LINKS = 40  # like the kernel's own limit on links in one path
 
 def _follow_roots_link(fd: int, step: int, part: str, st: os.stat_result, parts: list[str], links: int, *,
                        refuse: Callable[[int], Exception], too_many: Callable[[], Exception]
-                       ) -> tuple[int, list[str], int, bool]:
+                       ) -> tuple[int | None, list[str], int]:
     """One link met while walking a path through directory fds (``step``: its O_PATH fd, closed
-    here): refuse it unless root owns it, else splice its target into the parts still to walk; an
-    absolute target restarts the walk at /. Returns (directory fd, parts, links seen, restarted)."""
+    here): refuse it unless root owns it, else splice its target into the parts still to walk.
+    Returns (an fd of / where an absolute target restarts the walk, else None; parts; links seen).
+    The walk's own ``fd`` is never closed here: the caller swaps the new one in first, then closes
+    the old, so that an exception from a signal handler never leaves an fd to be closed twice."""
     try:
         if st.st_uid != os.geteuid():
             raise refuse(st.st_uid)
@@ -77,11 +79,9 @@ def _follow_roots_link(fd: int, step: int, part: str, st: os.stat_result, parts:
         target = os.readlink(part, dir_fd=fd)
     finally:
         os.close(step)
-    restarted = target.startswith("/")
-    if restarted:
-        os.close(fd)
-        fd = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-    return fd, list(Path(target).parts[1 if restarted else 0:]) + parts, links, restarted
+    if not target.startswith("/"):
+        return None, list(Path(target).parts) + parts, links
+    return os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC), list(Path(target).parts[1:]) + parts, links
 
 
 def make_trusted_dirs(path: Path) -> Path:
@@ -118,13 +118,14 @@ def make_trusted_dirs(path: Path) -> Path:
                                      hint=DIRECTORY_HINT) from None
             st = os.fstat(step)
             if stat.S_ISLNK(st.st_mode):
-                fd, parts, links, restarted = _follow_roots_link(
+                root, parts, links = _follow_roots_link(
                     fd, step, part, st, parts, links,
                     refuse=lambda uid: ImageUntrusted(walked / part, f"is a symlink owned by uid {uid}; vsnap follows "
                                                                      "only root's links", hint=DIRECTORY_HINT),
                     too_many=lambda: ImageUntrusted(path, "has too many levels of symbolic links"))
-                if restarted:
-                    walked = Path("/")
+                if root is not None:
+                    previous, fd, walked = fd, root, Path("/")
+                    os.close(previous)
                 continue
             if not stat.S_ISDIR(st.st_mode):
                 os.close(step)
@@ -397,12 +398,15 @@ def open_following_only_roots_links(path: Path, flags: int = os.O_RDONLY | os.O_
             step = os.open(part, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
             st = os.fstat(step)
             if stat.S_ISLNK(st.st_mode):
-                fd, parts, links, _ = _follow_roots_link(
+                root, parts, links = _follow_roots_link(
                     fd, step, part, st, parts, links,
                     refuse=lambda uid: ImageUntrusted(path, f"is reached through a symlink ({part}) owned by uid {uid}; "
                                                             "vsnap follows only root's links",
                                                       hint="give the real path of a file you may read"),
                     too_many=lambda: OSError(errno.ELOOP, os.strerror(errno.ELOOP), str(path)))
+                if root is not None:
+                    previous, fd = fd, root
+                    os.close(previous)
                 continue
             previous, fd = fd, step  # as in make_trusted_dirs: never an fd closed twice
             os.close(previous)
