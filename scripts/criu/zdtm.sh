@@ -16,7 +16,8 @@
 # A copy of zdtm.py (vsnap-zdtm.py, beside it) treats every test as a suid one.
 #
 # Fails when a test fails that is not in EXPECTED_FAIL below. Each entry there fails the
-# same way with an unpatched CRIU 4.2.1 on these hosts (the environment, not our patches);
+# same way with an unpatched CRIU 4.2.1 on these hosts (the environment, not our patches),
+# or races in the test program itself (pidfd_of_thread);
 # it must still fail that way (its pattern found in its output) or pass, nothing else.
 #
 # Usage (as root, after scripts/criu/install.sh):
@@ -67,6 +68,12 @@ declare -A EXPECTED_FAIL=(
   # N was born with"), in pstree.c, before any task is forked
   [session02]="$SESSION_TREE"
   [session03]="$SESSION_TREE"
+  # a 'crfail' test: criu refuses its PIDFD_THREAD pidfd at dump, as it should, and the test
+  # runs on. zdtm's SIGTERM then goes to its process, and either thread may take it (both wait
+  # in test_waitsig): when the second thread takes it and exits, the main thread's
+  # pidfd_send_signal to that thread finds no such process. A race in the test program, not
+  # in CRIU: it failed so once in CI (session 15), and passed alone 3 times out of 3
+  [pidfd_of_thread]='pidfd_send_signal\(\) failed \(errno = 3 '
 )
 
 ONLY=()
@@ -186,7 +193,7 @@ for t in wanted:
     st, rest, out = res.get(t, ("missing", "", ""))
     if st == "fail" and t in expected:
         if re.search(expected[t], out):
-            print(f"  {t}: failed the expected way (as with an unpatched 4.2.1)")
+            print(f"  {t}: failed the expected way (EXPECTED_FAIL says why)")
         else:
             bad.append(t)
             print(f"  {t}: FAILED, but not the expected way ({expected[t]!r} not in its output):\n{out[-3000:]}")
@@ -197,7 +204,7 @@ for t in wanted:
         bad.append(t)
         print(f"  {t}: no result in the report")
     elif st == "pass" and t in expected:
-        print(f"  {t}: passed (expected to fail: drop it from EXPECTED_FAIL)")
+        print(f"  {t}: pass (in EXPECTED_FAIL: it may fail only the way listed there)")
     else:
         print(f"  {t}: {st}{rest if st == 'skip' else ''}")
 n = {s: sum(1 for r in res.values() if r[0] == s) for s in ("pass", "skip", "fail")}
