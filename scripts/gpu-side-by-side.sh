@@ -56,6 +56,29 @@ OUT=${OUT:-/tmp/vsnap-gpu-out}
 RESULTS=$OUT/side-by-side
 PY=${PY:-/opt/torch/.venv/bin/python3}
 [ -x "$PY" ] || PY=python3
+# The whole run under a child subreaper that reaps at once. `vllm snapshot create` checks that every
+# PID it dumped is gone with kill(pid, 0), which a zombie passes: CRIU kills the tree, its root is
+# reaped by vllm, and the root's children (EngineCore, ...) go to the nearest subreaper, or to PID 1,
+# which on the GPU machine did not reap them in time (session 14: "process survived CRIU dump").
+# On a host whose init reaps, nothing changes; here those orphans come to this reaper instead.
+if [ "${SBS_REAPED:-0}" != 1 ]; then
+  exec env SBS_REAPED=1 "$PY" -c '
+import ctypes, os, sys
+if ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) != 0:  # PR_SET_CHILD_SUBREAPER
+    sys.exit("gpu-side-by-side.sh: prctl(PR_SET_CHILD_SUBREAPER) failed")
+child = os.fork()
+if child == 0:
+    os.execvp(sys.argv[1], sys.argv[1:])
+while True:
+    try:
+        pid, status = os.waitpid(-1, 0)
+    except ChildProcessError:
+        sys.exit(1)
+    if pid == child:
+        code = os.waitstatus_to_exitcode(status)
+        sys.exit(code if code >= 0 else 128 - code)
+' bash "$0" "$@"
+fi
 export VLLM_SITE=${SITE033:-/tmp/site033}
 WORK=${WORK:-/tmp/vsnap-sbs}
 BUDGET_S=${BUDGET_S:-555}
