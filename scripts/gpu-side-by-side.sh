@@ -792,6 +792,10 @@ if want 4 && [ -f "$SNAP/manifest.json" ] && fits 25 vllm_restore; then
 fi
 
 # ---- 5. vsnap capture -------------------------------------------------------------------------------------------------
+# The same revision as the vllm commands: vLLM hashes it (not the served name) into its compile-cache key,
+# so with it vsnap's boot loads the graph the cold server compiled, as vllm snapshot's boot does. Without it
+# (session 15's first run) vsnap's boot compiled a graph of its own, whose logits differed from the cold
+# server's by one bf16 ulp here and there: 18 of 32 random-weight prompts took another greedy token.
 cat > "$SPEC" <<YAML
 name: sbs-8b
 engine: vllm
@@ -799,6 +803,8 @@ model: $MODEL_DIR
 image: $IMAGE
 serve:
   served_model_name: $REPO_ID
+  revision: $REV
+  tokenizer_revision: $REV
   max_model_len: $MAX_LEN
   gpu_memory_utilization: $GPU_UTIL
 snapshot:
