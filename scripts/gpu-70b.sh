@@ -4,8 +4,9 @@
 # image, and a huge-page tmpfs is where the weights page-lock fastest: 38.8 GB/s measured for
 # issue 28), captured with weights by reference (the image holds no second copy), restored 3 times
 # to the first completion, against vLLM's cold start, with outputs and throughput compared.
-# The whole does not fit in one 600 s call: one STEP per call, back to back (the machine keeps
-# /tmp and the tmpfs ~30 s after a call), each carrying .carry/criu:
+# The whole does not fit in one 600 s call: a few steps per call, back to back (the machine keeps
+# /tmp and the tmpfs ~30 s after a call), each call carrying .carry/vllm-parts-00 and .carry/criu.
+# Two calls: STEP="model cold" (~340 s), then STEP="capture restore report" (~370 s). One step:
 #
 #   STEP=model   bash scripts/gpu-70b.sh   # mount the tmpfs, write the model (~60 to 90 s)
 #   STEP=cold    bash scripts/gpu-70b.sh   # vLLM's cold start, fully cold (~250 s), outputs, throughput
@@ -21,7 +22,7 @@
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
-STEP=${STEP:?STEP=model|cold|capture|restore|report|clean}
+STEPS=${STEP:?STEP=model|cold|capture|restore|report|clean, or several in order: STEP="model cold"}
 RESULTS=${OUT:-/tmp/vsnap-gpu-out}
 OUT=$RESULTS/70b
 PY=${PY:-/opt/torch/.venv/bin/python3}
@@ -50,36 +51,48 @@ oracle:
   tolerance: 0.001
 YAML
 
-case "$STEP" in
-  model)
-    mkdir -p "$MODELS"
-    if ! mountpoint -q "$MODELS"; then
-      mount -t tmpfs -o size=80g,huge=always,mode=0755 vsnap-models "$MODELS" || exit 20
-    fi
-    grep " $MODELS " /proc/mounts
-    log "write the 70B per-channel FP8 model into $MODEL"
-    "$PY" scripts/make_test_model.py "$MODEL" --shape 70b --fp8 channel --device auto || exit 21
-    du -sh "$MODEL"; free -g
-    ;;
-  cold|restore|report)
-    log "staged bench: $STEP"
-    "$PY" scripts/staged_bench.py "$STEP" "$SPEC" --state "$STATE" --out "$OUT" > "$OUT/$STEP.log" 2>&1; rc=$?
-    tail -n 25 "$OUT/$STEP.log" | cut -c1-600; free -g; nvidia-smi --query-gpu=memory.used --format=csv,noheader
-    cp "$STATE"/*.json "$OUT/" 2>/dev/null
-    exit $rc
-    ;;
-  capture)
-    log "staged bench: capture, weights by reference"
-    VSNAP_WEIGHTS_BY_REFERENCE=1 "$PY" scripts/staged_bench.py capture "$SPEC" --state "$STATE" --out "$OUT" \
-      > "$OUT/capture.log" 2>&1; rc=$?
-    tail -n 25 "$OUT/capture.log" | cut -c1-600; du -sh "$STATE/image" 2>/dev/null; free -g
-    cp "$STATE/image/logs/engine.log" "$OUT/engine-capture.log" 2>/dev/null
-    cp "$STATE"/*.json "$OUT/" 2>/dev/null
-    exit $rc
-    ;;
-  clean)
-    "$PY" scripts/staged_bench.py clean "$SPEC" --state "$STATE"
-    umount "$MODELS" 2>/dev/null; rm -f "$SPEC"
-    ;;
-  *) echo "gpu-70b: STEP=model|cold|capture|restore|report|clean" >&2; exit 2 ;;
-esac
+# one step; its status (the steps of one call stop at the first that fails)
+run_step() {
+  local STEP=$1 rc=0
+  case "$STEP" in
+    model)
+      mkdir -p "$MODELS"
+      if ! mountpoint -q "$MODELS"; then
+        mount -t tmpfs -o size=80g,huge=always,mode=0755 vsnap-models "$MODELS" || return 20
+      fi
+      grep " $MODELS " /proc/mounts
+      log "write the 70B per-channel FP8 model into $MODEL"
+      "$PY" scripts/make_test_model.py "$MODEL" --shape 70b --fp8 channel --device auto || return 21
+      du -sh "$MODEL"; free -g
+      ;;
+    cold|restore|report)
+      log "staged bench: $STEP"
+      "$PY" scripts/staged_bench.py "$STEP" "$SPEC" --state "$STATE" --out "$OUT" > "$OUT/$STEP.log" 2>&1; rc=$?
+      tail -n 25 "$OUT/$STEP.log" | cut -c1-600; free -g; nvidia-smi --query-gpu=memory.used --format=csv,noheader
+      cp "$STATE"/*.json "$OUT/" 2>/dev/null
+      return $rc
+      ;;
+    capture)
+      log "staged bench: capture, weights by reference"
+      VSNAP_WEIGHTS_BY_REFERENCE=1 "$PY" scripts/staged_bench.py capture "$SPEC" --state "$STATE" --out "$OUT" \
+        > "$OUT/capture.log" 2>&1; rc=$?
+      tail -n 25 "$OUT/capture.log" | cut -c1-600; du -sh "$STATE/image" 2>/dev/null; free -g
+      cp "$STATE/image/logs/engine.log" "$OUT/engine-capture.log" 2>/dev/null
+      cp "$STATE"/*.json "$OUT/" 2>/dev/null
+      return $rc
+      ;;
+    clean)
+      "$PY" scripts/staged_bench.py clean "$SPEC" --state "$STATE"
+      umount "$MODELS" 2>/dev/null; rm -f "$SPEC"
+      ;;
+    *) echo "gpu-70b: STEP=model|cold|capture|restore|report|clean" >&2; return 2 ;;
+  esac
+  return $rc
+}
+
+for step in $STEPS; do
+  T=$(date +%s)
+  run_step "$step"; rc=$?
+  log "step $step: rc $rc, $(( $(date +%s) - T )) s"
+  [ $rc = 0 ] || exit $rc
+done
