@@ -6,7 +6,8 @@
 # pins) 4 KiB at a time. Two files of GIB each, the same bytes, one written as the pull wrote
 # (1 MiB pwrites, two ranges side by side), one as it writes now (4 MiB writes); then
 # scripts/weights-dma-bench.py on each (register, pieces, dma_into), and page-lock-probe if a C
-# compiler is there. No vLLM, no carry. Env: GIB (8), DIR (/var/tmp/vsnap-folio), OUT.
+# compiler is there. No vLLM, no carry. Env: GIB (8), RUNS (1), BENCH_S (80: each bench's timeout),
+# DIR (/var/tmp/vsnap-folio), OUT.
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 GIB=${GIB:-8}
@@ -43,7 +44,8 @@ if command -v cc > /dev/null; then
 else echo "no C compiler: page-lock-probe not run" | tee "$OUT/probe.txt"; fi
 for name in pull-1m write-4m; do
   echo "== $name"
-  timeout 200 "$PY" "$REPO/scripts/weights-dma-bench.py" "$DIR/$name" --gib "$GIB" --runs 2 --json "$OUT/dma-$name.json" \
+  timeout "${BENCH_S:-80}" "$PY" "$REPO/scripts/weights-dma-bench.py" "$DIR/$name" --gib "$GIB" --runs "${RUNS:-1}" \
+    --json "$OUT/dma-$name.json" \
     > "$OUT/dma-$name.log" 2>&1; echo "rc $?"
   tail -12 "$OUT/dma-$name.log"
 done
