@@ -49,7 +49,7 @@ static long pmd_mapped_kib(void *addr) {
 
 int main(int argc, char **argv) {
     for (int i = 1; i < argc; i++) {
-        int fd = open(argv[i], O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+        int fd = open(argv[i], O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC); /* a FIFO must not block */
         struct stat st;
         if (fd < 0 || fstat(fd, &st) || !S_ISREG(st.st_mode) || st.st_size == 0) {
             fprintf(stderr, "%s: not a readable, non-empty regular file\n", argv[i]);
@@ -70,7 +70,10 @@ int main(int argc, char **argv) {
         long pmd = pmd_mapped_kib(p);
         munlock(p, n);
         double t2 = now();
-        mlock(p, n);
+        if (mlock(p, n)) {
+            perror("mlock (second)");
+            return 1;
+        }
         double t3 = now();
         munlock(p, n);
         printf("%s: %.2f GiB, first mlock %.3f s, second %.3f s (%.1f GB/s), PMD-mapped %.0f %%\n", argv[i],
