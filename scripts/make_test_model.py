@@ -2,7 +2,7 @@
 tokenizer, tokenizer_config.json, generation_config.json. No model hub is needed.
 
     python scripts/make_test_model.py OUT_DIR [--shape tiny|tiny-hd48|tiny-moe|8b|70b] [--fp8 [tensor|channel]]
-                                      [--seed 0] [--device auto|cpu|cuda]
+                                      [--layers N] [--seed 0] [--device auto|cpu|cuda]
     python scripts/make_test_model.py OUT_DIR --adapter [--shape tiny] [--seed 1]
 
 tiny: a Llama of 2 layers, hidden 256, 4 heads of 64 (a few MB). tiny-hd48: the same with hidden
@@ -18,7 +18,9 @@ token, lm_head left in bf16) that most published FP8 checkpoints use. --adapter:
 adapter (rank 8, every projection) for that shape instead of a model. Weights are N(0, 0.02) from
 a seeded generator, so the same command writes the same files on the same kind of device;
 --device auto makes them on the GPU when there is one (the CPU generator would take many minutes
-for 70 GB).
+for 70 GB). --layers N: the shape with N layers instead of its own (every layer of these shapes is
+alike, so a few layers of the 70B on a CPU say per layer what the whole model holds;
+scripts/reference_share.py uses that).
 """
 
 from __future__ import annotations
@@ -216,7 +218,10 @@ def main() -> None:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="where the random tensors are made (auto: the GPU when there is one)")
     parser.add_argument("--adapter", action="store_true", help="write a LoRA adapter for the shape instead")
+    parser.add_argument("--layers", type=int, default=None, help="this many layers instead of the shape's own")
     args = parser.parse_args()
+    if args.layers is not None and not 1 <= args.layers <= 1000:
+        parser.error("--layers: a number of layers from 1 to 1000")
     out: Path = args.out
     if (out / "config.json").exists() or (out / "adapter_config.json").exists():
         print(f"{out} already holds a model")
@@ -224,6 +229,8 @@ def main() -> None:
     tmp = out.with_name(out.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     cfg = dict(SHAPES[args.shape])
+    if args.layers is not None:
+        cfg["num_hidden_layers"] = args.layers
     if args.adapter:
         total = write_adapter(tmp, cfg, args.seed)
         os.rename(tmp, out)
