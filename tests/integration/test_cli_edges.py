@@ -70,3 +70,29 @@ def test_stop_exit_codes(tmp_path: Path) -> None:
     assert result.returncode == 9 and "no vsnap instance is running" in result.stderr
     result = vsnap("stop", "r-00000000", "--json", env=env)
     assert result.returncode == 9 and json.loads(result.stdout)["error"] == "NothingRunning"
+
+
+def test_a_spec_inside_an_image_is_refused_before_anything_is_made(tmp_path: Path) -> None:
+    """Hostile pass 18: `image:` or `snapshot.control_dir` inside an existing image validated, and the
+    capture wrote into that image (which every restore and vsnap rm then refused). validate shows
+    the failing row, capture refuses in its preflight, and the image is as it was."""
+    from tests.unit.fake_image import make_image
+
+    root = tmp_path / "images"
+    root.mkdir(mode=0o700)
+    os.chmod(tmp_path, 0o700)
+    victim = make_image(root / "victim")
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
+    specs = {"image": f"image: {victim}/sub\nsnapshot:\n  control_dir: {tmp_path}/ctl\n",
+             "control": f"image: {root}/fine\nsnapshot:\n  control_dir: {victim}/logs\n"}
+    for what, lines in specs.items():
+        spec = tmp_path.parent / f"{tmp_path.name}-{what}.yaml"  # beside tmp_path: its listing stays as it was
+        spec.write_text(f"name: a\nengine: cpu\n{lines}")
+        result = vsnap("validate", str(spec), "--json")
+        assert result.returncode != 0, result.stdout
+        assert f"is inside the vsnap image {victim}" in result.stdout, result.stdout
+        if os.geteuid() == 0:  # a capture's preflight runs as root only
+            result = vsnap("capture", str(spec))
+            assert result.returncode != 0 and f"is inside the vsnap image {victim}" in result.stderr, result.stderr
+            assert "Traceback" not in result.stderr
+    assert sorted(str(p) for p in tmp_path.rglob("*")) == before

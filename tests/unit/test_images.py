@@ -233,6 +233,7 @@ def test_rm_never_removes_a_link_or_what_vsnap_did_not_make(tmp_path: Path) -> N
     (ordinary / "thesis.txt").write_text("years of work")
     with pytest.raises(ImageError, match="is not a vsnap image"):
         _images.remove_image(ordinary, instances=no_instances)
+    assert sorted(p.name for p in root.iterdir()) == ["link", "ordinary"]  # hostile pass 18: no lock files beside it
     theirs = make_image(root / "theirs")
     for path in [theirs, *theirs.rglob("*")]:
         os.lchown(path, NOBODY, NOBODY)
@@ -332,3 +333,24 @@ def test_rm_cli_exit_codes_and_json(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(_images, "running_instances", lambda: [record(image)])
     busy = runner.invoke(app, ["rm", str(image), "--json"])
     assert busy.exit_code == 4 and json.loads(busy.stdout)["error"] == "ImageBusy"
+
+
+def test_nothing_is_captured_or_pulled_into_an_image(tmp_path: Path) -> None:
+    """Hostile pass 18: a spec whose image or control directory lay inside an existing image was
+    captured there; the image then held files its manifest does not list, and was refused by every
+    restore and by vsnap rm. Inside an image (or a directory vsnap stages one in), nothing is made."""
+    from vsnap.image.store import check_parent, require_outside_images
+
+    victim = make_image(tmp_path / "images" / "victim")
+    before = sorted(str(p) for p in victim.rglob("*"))
+    for inside in (victim / "sub", victim / "logs" / "deeper" / "x"):
+        with pytest.raises(ImageError, match=f"the image {inside} is inside the vsnap image {victim}"):
+            check_parent(inside)
+    with pytest.raises(ImageError, match="the control directory .* is inside the vsnap image"):
+        require_outside_images(victim, "the control directory", "hint", itself=True)
+    staging = tmp_path / "images" / ".victim.staging-abcd1234"
+    with pytest.raises(ImageError, match="inside the vsnap image .*staging-abcd1234"):
+        require_outside_images(staging / "x", "the image", "hint")
+    assert sorted(str(p) for p in victim.rglob("*")) == before
+    require_outside_images(tmp_path / "images" / "beside", "the image", "hint")  # beside an image: fine
+    require_outside_images(victim, "the image", "hint")  # the image itself: what --force replaces

@@ -151,15 +151,20 @@ def test_standby_records_follow_their_tree_and_unreadable_records_are_kept(tmp_p
 
 
 class NamespaceTree:
-    """A `sleep` that is PID 1 of a PID namespace of its own, as a vsnap tree's root is (needs root)."""
+    """A `sleep` that is PID 1 of a PID namespace of its own, as a vsnap tree's root is (needs root);
+    with ``bind``, it sees that directory bound in a mount namespace of its own, as a tree sees its
+    instance directory at its control directory."""
 
-    def __init__(self) -> None:
+    def __init__(self, bind: Path | None = None, naming: Path | None = None) -> None:
         import shutil
         import subprocess
 
         if os.geteuid() != 0 or shutil.which("unshare") is None:
             pytest.skip("makes a PID namespace: needs root and unshare")
-        self.unshare = subprocess.Popen(["unshare", "--pid", "--fork", "sleep", "60"])
+        # ``naming``: a path on unshare's command line, as vsnap's `criu restore` names the instance directory
+        command = ["sleep", "60"] if bind is None and naming is None else [
+            "sh", "-c", ('mount --bind "$0" "$0" && ' if bind else "") + "exec sleep 60", str(bind or naming)]
+        self.unshare = subprocess.Popen(["unshare", "--pid", "--fork", *(["--mount"] if bind else []), *command])
         deadline = time.monotonic() + 10
         while True:
             children = Path(f"/proc/{self.unshare.pid}/task/{self.unshare.pid}/children").read_text().split()
@@ -190,11 +195,11 @@ def test_stopping_an_activation_whose_vsnap_died_does_not_wait(tmp_path: Path, m
     dead_ref = ProcessRef(pid=dead.pid, start_time=_instances.identify(dead.pid).start_time, boot_id=me.boot_id)
     dead.kill()
     dead.wait()
-    tree = NamespaceTree()  # the half-activated standby's tree
+    directory = tmp_path / "ctl.instances" / "r-0000000f"
+    directory.mkdir(parents=True, mode=0o700)
+    os.chmod(directory.parent, 0o700)
+    tree = NamespaceTree(bind=directory)  # the half-activated standby's tree
     try:
-        directory = tmp_path / "ctl.instances" / "r-0000000f"
-        directory.mkdir(parents=True, mode=0o700)
-        os.chmod(directory.parent, 0o700)
         register(InstanceRecord(id="r-0000000f", image="/i", name="n", state="activating", owner=me, tree=tree.ref,
                                 activator=dead_ref, instance_dir=str(directory), started_at=time.time()))
         started = time.monotonic()
@@ -384,11 +389,11 @@ def test_a_restore_killed_while_criu_runs_is_tracked_and_stopped(tmp_path: Path,
     owner = ProcessRef.of(_instances.identify(dead.pid))
     dead.kill()
     dead.wait()
-    criu = NamespaceTree()
+    directory = tmp_path / "ctl.instances" / "r-0000001a"
+    directory.mkdir(parents=True, mode=0o700)
+    os.chmod(directory.parent, 0o700)
+    criu = NamespaceTree(naming=directory)  # the tree's mounts not in place yet: proven as that CRIU's child
     try:
-        directory = tmp_path / "ctl.instances" / "r-0000001a"
-        directory.mkdir(parents=True, mode=0o700)
-        os.chmod(directory.parent, 0o700)
         register(InstanceRecord(id="r-0000001a", image="/i", name="n", state="restoring", owner=owner,
                                 criu=ProcessRef.of(_instances.identify(criu.unshare.pid)),
                                 instance_dir=str(directory), started_at=time.time()))
@@ -425,3 +430,68 @@ def test_only_stale_criu_pidfiles_of_vsnap_are_removed(tmp_path: Path, monkeypat
     prune_dead_runs()
     assert sorted(p.name for p in pids.iterdir()) == ["notes.pid", "r-0000000b.pid", "r-0000000c.pid",
                                                        "r-0000000d.pid", "r-0000000e.txt"]
+
+
+def test_a_tree_is_acted_on_only_with_its_instance_directory_mounted(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hostile pass 18: a record naming the first process of any PID namespace (a container's init,
+    an `unshare -p`) got it killed by `vsnap stop`, and the directory the record named (another
+    user's) removed. A tree is vsnap's instance only if it sees that instance's directory mounted;
+    a directory is removed only if it is one vsnap made."""
+    import subprocess
+
+    from vsnap.host.instances import ProcessRef, is_instance_tree, remove_instance_dir, running_instances
+    from vsnap.ops.stop import stop_server
+    from vsnap.protocol.errors import ProcessTreeError
+
+    monkeypatch.setattr(_instances, "RUNTIME_DIR", tmp_path / "run")
+    theirs = tmp_path / "victim.instances" / "r-deadbeef"
+    theirs.mkdir(parents=True)
+    (theirs / "precious.txt").write_text("alice's")
+    os.chown(theirs, 65534, 65534)
+    foreign = NamespaceTree()  # a namespace root that is no vsnap tree
+    try:
+        register(InstanceRecord(id="r-deadbeef", image="/i", name="n", state="serving", owner=this_process(),
+                                tree=foreign.ref, instance_dir=str(theirs), started_at=time.time()))
+        [record] = running_instances()
+        assert not is_instance_tree(record)
+        with pytest.raises(ProcessTreeError, match="with that instance's directory mounted"):
+            stop_server(record)
+        assert foreign.unshare.poll() is None and (theirs / "precious.txt").exists()
+    finally:
+        foreign.close()
+    assert not remove_instance_dir(theirs) and theirs.exists()  # another user's: never removed
+    loose = tmp_path / "r-0000feed"  # vsnap's name, root's, private, but in no .instances directory
+    loose.mkdir(mode=0o700)
+    assert not remove_instance_dir(loose) and loose.exists()
+    ours = tmp_path / "ctl.instances" / "r-0000f00d"
+    ours.mkdir(parents=True, mode=0o700)
+    tree = NamespaceTree(bind=ours)
+    try:
+        mine = InstanceRecord(id="r-0000f00d", image="/i", name="n", state="serving", owner=this_process(),
+                              tree=tree.ref, instance_dir=str(ours), started_at=time.time())
+        assert is_instance_tree(mine)
+        assert not is_instance_tree(mine.model_copy(update={"id": "r-0000f00e",
+                                                            "instance_dir": str(ours.with_name("r-0000f00e"))}))
+    finally:
+        tree.close()
+    assert remove_instance_dir(ours) and not ours.exists()
+    # the owner a record names is signalled only if it runs vsnap's console script, not a file named vsnap
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "vsnap").write_text("import time\ntime.sleep(60)\n")
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "vsnap").write_text("import time\n# from vsnap.cli import main, as pip writes it\ntime.sleep(60)\n")
+    from vsnap.host.proctree import is_vsnap_command
+
+    started = [subprocess.Popen(["python3", "notes/vsnap"], cwd=tmp_path),
+               subprocess.Popen(["python3", str(tmp_path / "bin" / "vsnap")]),
+               subprocess.Popen(["python3", "-c", "import time; time.sleep(60)", "-m", "vsnap"])]
+    try:
+        time.sleep(0.3)
+        assert [is_vsnap_command(p.pid) for p in started] == [False, True, False]
+        assert ProcessRef.of(_instances.identify(started[0].pid))  # alive while asked
+    finally:
+        for p in started:
+            p.kill()
+            p.wait()

@@ -45,6 +45,7 @@ from .trust import make_trusted_dirs
 
 PID_MAX = 1 << 22  # the kernel's pid_max can be at most 4194304
 INSTANCE_NAME = re.compile(r"(?:capture|r|cold)-[0-9a-f]{8}")  # what new_instance_dir makes
+RECORD_NAME = re.compile(rf"(?:{INSTANCE_NAME.pattern})\.json")  # an instance's or a capture's record
 STOP_REQUEST = "stop.request"  # written into a restoring instance's directory by `vsnap stop`
 ORPHAN_FORK_WAIT_S = 2.0  # how long a look at an orphaned CRIU waits for it to fork the tree's root
 
@@ -147,11 +148,8 @@ def prune_failed(root: Path, keep_s: float = KEEP_FAILED_S) -> list[str]:
             st = entry.lstat()
         except OSError:
             continue
-        if entry.name in in_use or not stat.S_ISDIR(st.st_mode) or time.time() - st.st_mtime < keep_s:
-            continue
-        if not INSTANCE_NAME.fullmatch(entry.name) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-            continue
-        candidates.append(entry)
+        if entry.name not in in_use and time.time() - st.st_mtime >= keep_s and _made_here(entry.name, st):
+            candidates.append(entry)
     if not candidates:
         return []
     mounted = {PurePosixPath(r).name for r in mount_roots()}  # instance names are random: a name is enough
@@ -161,6 +159,52 @@ def prune_failed(root: Path, keep_s: float = KEEP_FAILED_S) -> list[str]:
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry.name)
     return removed
+
+
+def _made_here(name: str, st: os.stat_result) -> bool:
+    """Could this entry of a `CONTROL_DIR.instances` directory be one new_instance_dir made: its
+    name, a real directory, root's, private?"""
+    return (INSTANCE_NAME.fullmatch(name) is not None and stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
+            and not st.st_mode & 0o077)
+
+
+def remove_instance_dir(instance_dir: Path) -> bool:
+    """Remove a stopped instance's directory, only if it is one new_instance_dir made (in a
+    `.instances` directory, _made_here): a record's instance_dir may name anything. Returns
+    whether it was removed."""
+    try:
+        st = instance_dir.lstat()
+    except FileNotFoundError:
+        return False
+    if not instance_dir.parent.name.endswith(".instances") or not _made_here(instance_dir.name, st):
+        return False
+    shutil.rmtree(instance_dir, ignore_errors=True)
+    return True
+
+
+def is_instance_tree(record: InstanceRecord) -> bool:
+    """Is the record's ``tree`` (still) this instance's tree: the first process of a PID namespace of
+    its own (is_tree_root) that sees the instance's directory mounted (its control directory: only
+    this instance's tree binds it, instance names are random), or, while the record's CRIU still
+    restores it and its mounts are not in place yet, that CRIU's child? A record's pids prove
+    nothing alone."""
+    tree = record.tree
+    if tree is None or not is_tree_root(tree.identity):
+        return False
+    if _mounts_instance_dir(tree.pid, record.id):
+        return True
+    criu = record.criu
+    return (criu is not None and is_same(criu.identity) and _parent(tree.pid) == criu.pid
+            and _names_instance_dir(criu.pid, Path(record.instance_dir)))
+
+
+def _parent(pid: int) -> int | None:
+    import psutil
+
+    try:
+        return psutil.Process(pid).ppid()
+    except psutil.Error:
+        return None
 
 
 def registry_dir() -> Path:
@@ -232,14 +276,19 @@ def left_by_restore(pid: int, instance_id: str, instance_dir: Path) -> bool:
     """Is ``pid`` (a child of the restoring process) what a restore of this instance started: its
     `criu restore` (the instance directory on its command line) or the tree CRIU restored (the
     first process of a PID namespace of its own that sees the instance's directory mounted)?"""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if os.fsencode(instance_dir) in f.read().split(b"\0"):
-                return True
-    except OSError:
-        return False
+    if _names_instance_dir(pid, instance_dir):
+        return True
     identity = identify(pid)
     return identity is not None and is_tree_root(identity) and _mounts_instance_dir(pid, instance_id)
+
+
+def _names_instance_dir(pid: int, instance_dir: Path) -> bool:
+    """Does ``pid``'s command line name ``instance_dir`` (as vsnap's `criu restore` does)?"""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return os.fsencode(instance_dir) in f.read().split(b"\0")
+    except OSError:
+        return False
 
 
 def _pidfile_root(record: InstanceRecord, criu: ProcessRef) -> ProcessIdentity | None:
@@ -431,4 +480,6 @@ def prune_dead_runs() -> list[str]:
         unregister_capture(record.id)
         cleaned.append(record.id)
     remove_stale_pidfiles()
+    for records in (registry_dir(), directory):  # a record's temp file, left by a writer killed mid-write
+        control.remove_stale_temp_files(records, RECORD_NAME)
     return cleaned + remove_orphans(known)

@@ -123,15 +123,35 @@ def is_tree_root(identity: ProcessIdentity) -> bool:
 
 
 def is_vsnap_command(pid: int) -> bool:
-    """Does ``pid`` run the vsnap command (the console script, or ``python -m vsnap``)? What a
-    record names as the owner or activator of an instance is signalled only then."""
+    """Does ``pid`` run the vsnap command: ``python -m vsnap``, or vsnap's console script (a file
+    named vsnap that imports vsnap.cli, as pip writes it)? What a record names as the owner or
+    activator of an instance is signalled only then: a name alone (`less /var/log/vsnap`, `python3
+    notes/vsnap`) proves nothing."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+            argv = [os.fsdecode(a) for a in f.read().split(b"\0") if a]
     except OSError:
         return False
-    return any(os.path.basename(a) == "vsnap" for a in argv[:2]) or any(
-        a == "-m" and b in ("vsnap", "vsnap.cli") for a, b in zip(argv, argv[1:]))
+    if argv and os.path.basename(argv[0]).startswith("python") and any(
+            a == "-m" and b in ("vsnap", "vsnap.cli") for a, b in zip(argv[1:3], argv[2:4])):
+        return True
+    return any(os.path.basename(a) == "vsnap" and _is_console_script(pid, a) for a in argv[:2])
+
+
+def _is_console_script(pid: int, path: str) -> bool:
+    """Is ``path`` (as process ``pid`` named it: relative to its cwd, inside its root) a small
+    regular file that imports vsnap.cli? Read only, never waited on (a FIFO is refused)."""
+    where = f"/proc/{pid}/root{path}" if os.path.isabs(path) else f"/proc/{pid}/cwd/{path}"
+    try:
+        fd = os.open(where, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        return stat.S_ISREG(os.fstat(fd).st_mode) and b"from vsnap.cli import" in os.read(fd, 4096)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def in_tree_namespace(pid: int, root: ProcessIdentity) -> bool:

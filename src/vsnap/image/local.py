@@ -269,13 +269,14 @@ def remove_image(target: str | Path, *, instances: Instances | None = None) -> R
     if not stat.S_ISDIR(st.st_mode):
         raise ImageError(f"{image_dir} is not an image directory; vsnap rm removes only images",
                          hint="vsnap images lists the images")
+    _raw_manifest(image_dir)  # not an image: refused before lock files are made beside it
     with exclusive_locks(image_dir):
         busy = _instances_by_image(instances).get(os.path.realpath(image_dir), [])
         if busy:
             raise ImageBusy(image_dir, f"{image_dir} is in use: instance{'s' if len(busy) > 1 else ''} "
                                        f"{', '.join(busy)} run{'' if len(busy) > 1 else 's'} from it",
                             hint=f"vsnap stop {image_dir} first (vsnap ps lists them)")
-        files, dirs, name = recognize(image_dir)
+        files, dirs, name = recognize(image_dir)  # again, now that no capture or restore can change it
         size = sum(os.lstat(image_dir / rel).st_size for rel in files)
         staging = _rename_away(image_dir)
         verified.forget(image_dir)  # what this host hashed of it: a new image at this path is hashed anew

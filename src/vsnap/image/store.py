@@ -85,7 +85,8 @@ def piece_hashes(root: Path, files: dict[str, int]) -> dict[str, str]:
 
 def check_parent(image_dir: Path) -> None:
     """The image's parent and its ancestors must be root's and not writable by others: they could
-    swap the image. Missing directories are made, private."""
+    swap the image. Missing directories are made, private. None of them may be an image."""
+    require_outside_images(image_dir, "the image", IMAGE_OUTSIDE_IMAGES)
     make_trusted_dirs(image_dir.parent)  # walked through directory fds: never made through someone's link
     require_trusted_ancestors(image_dir)
 
@@ -134,6 +135,22 @@ def is_vsnap_image(directory: Path) -> bool:
     finally:
         os.close(fd)
     return isinstance(raw, dict) and isinstance(raw.get("format_version"), int) and isinstance(raw.get("files"), dict)
+
+
+IMAGE_OUTSIDE_IMAGES = "choose an image path (model.yaml's image, or --to) outside every image"
+CONTROL_OUTSIDE_IMAGES = "choose a snapshot.control_dir outside every image"
+# what vsnap stages an image in, beside it: a capture's, a publish's, a pull's, an interrupted rm's
+_IMAGE_WORK_DIR = re.compile(r"\..+\.(?:staging-[a-z0-9_]{8}|old-[0-9]+|pull-[0-9a-f]{16}|rm-[0-9a-f]{8})", re.DOTALL)
+
+
+def require_outside_images(path: Path, what: str, hint: str, *, itself: bool = False) -> None:
+    """No directory above ``path`` (nor ``path`` itself, with ``itself``) is a vsnap image or a
+    directory vsnap stages one in: a capture or a pull there would write its files into that image,
+    which then no longer matches its manifest (refused at every restore, by vsnap rm too)."""
+    for above in ([path] if itself else []) + list(path.parents):
+        if is_vsnap_image(above) or _IMAGE_WORK_DIR.fullmatch(above.name):
+            raise ImageError(f"{what} {path} is inside the vsnap image {above}; writing there would change "
+                             "that image", hint=hint)
 
 
 def _open_lock(lock_path: Path) -> int:

@@ -49,6 +49,7 @@ from vsnap.image.manifest import (
     Manifest,
 )
 from vsnap.image.store import (
+    CONTROL_OUTSIDE_IMAGES,
     HASH_THREADS,
     check_parent,
     checksum_tree,
@@ -57,6 +58,7 @@ from vsnap.image.store import (
     make_staging,
     publish,
     remove_stale_staging,
+    require_outside_images,
     require_replaceable,
     sha256_file,
 )
@@ -113,6 +115,7 @@ def _preflight(spec: ModelSpec, image_dir: Path, force: bool, timings: Timings) 
         require_host(spec.engine)
         runner = CriuRunner.locate()
         check_parent(image_dir)
+        require_outside_images(spec.control_dir, "the control directory", CONTROL_OUTSIDE_IMAGES, itself=True)
         require_trusted_ancestors(spec.control_dir)
         require_replaceable(image_dir, force)
         if spec.model is not None:

@@ -56,6 +56,7 @@ from vsnap.host.verified import VERIFIED_DIR
 from vsnap.image.compat import HostDifference, current_facts
 from vsnap.image.handle import Image, open_image
 from vsnap.image.manifest import TREE_DIRS, Manifest
+from vsnap.image.store import CONTROL_OUTSIDE_IMAGES, require_outside_images
 from vsnap.protocol import control
 from vsnap.protocol.control import Standby
 from vsnap.protocol.errors import EngineError, HostNotReady, UnsupportedOption, VsnapError
@@ -263,6 +264,7 @@ def _prepare_host(image: Image, cleanup: Cleanup, *, standby: bool) -> _Instance
     """The instance directory, its record, the captured engine log and /dev/shm files put back."""
     manifest = image.manifest
     read_ahead(image.weights_dir)  # read while CRIU and CUDA restore; the engine streams it at recover
+    require_outside_images(Path(manifest.control_dir), "the control directory", CONTROL_OUTSIDE_IMAGES, itself=True)
     control.ensure_private_dir(make_trusted_dirs(Path(manifest.control_dir)))  # the mount point inside the tree
     instance_id, work = new_instance_dir(Path(manifest.control_dir), "r")
     record = InstanceRecord(id=instance_id, image=str(image.path), name=manifest.name, state="restoring",

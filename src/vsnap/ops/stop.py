@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
-import shutil
 import time
 from pathlib import Path
 
-from vsnap.host.instances import InstanceRecord, request_stop, running_instances, unregister
-from vsnap.host.proctree import is_same, is_tree_root, is_vsnap_command, kill_tree, reap
+from vsnap.host.instances import (
+    InstanceRecord,
+    is_instance_tree,
+    remove_instance_dir,
+    request_stop,
+    running_instances,
+    unregister,
+)
+from vsnap.host.proctree import is_same, is_vsnap_command, kill_tree, reap
 from vsnap.host.shm import remove_instance_shm, shm_dir_of
 from vsnap.protocol.errors import ProcessTreeError
 
@@ -45,18 +51,19 @@ def stop_server(server: RestoredServer | InstanceRecord, grace_s: float = 10.0) 
     if isinstance(server, RestoredServer) and server.lazy_pages is not None:
         server.lazy_pages.kill()  # it ends by itself once the tree is gone; never left behind
     unregister(instance_id)
-    shutil.rmtree(work, ignore_errors=True)
+    remove_instance_dir(Path(work))  # only one vsnap made: a record may name any directory
     remove_instance_shm(shm_dir_of(instance_id))
 
 
 def require_tree_root(record: InstanceRecord, phase: str) -> None:
-    """A record's tree is acted on (signalled, activated) only while it is the first process of a
-    PID namespace of its own (host.proctree.is_tree_root): a record naming another live process
-    (crafted, or left by a bug) is refused, not acted on. A tree that is gone is the caller's case."""
-    if record.tree is not None and is_same(record.tree.identity) and not is_tree_root(record.tree.identity):
+    """A record's tree is acted on (signalled, activated) only while it is that instance's tree
+    (host.instances.is_instance_tree: the first process of a PID namespace of its own, seeing the
+    instance's directory mounted): a record naming another live process (crafted, or left by a bug)
+    is refused, not acted on. A tree that is gone is the caller's case."""
+    if record.tree is not None and is_same(record.tree.identity) and not is_instance_tree(record):
         raise ProcessTreeError(record.tree.pid, f"the record of {record.id} names pid {record.tree.pid}, which is not "
-                               "the first process of a PID namespace of its own: not a vsnap tree, not signalled",
-                               phase=phase)
+                               "the first process of a PID namespace of its own with that instance's directory "
+                               "mounted: not its vsnap tree, not signalled", phase=phase)
 
 
 def _stop_restoring(record: InstanceRecord) -> None:
@@ -76,7 +83,7 @@ def _stop_restoring(record: InstanceRecord) -> None:
     stuck = (record.activator or record.owner).identity
     if is_vsnap_command(stuck.pid):  # a stuck restore: end it (never another program a record names), then the tree
         kill_tree(stuck, grace_s=5)
-    if record.tree is not None and is_tree_root(record.tree.identity):
+    if record.tree is not None and is_instance_tree(record):
         kill_tree(record.tree.identity)
     unregister(record.id)
     remove_instance_shm(shm_dir_of(record.id))

@@ -29,6 +29,7 @@ from vsnap.host.proctree import LaunchedTree, kill_tree, launch_tree
 from vsnap.host.shm import instance_shm_dir, remove_instance_shm
 from vsnap.host.trust import require_trusted_model
 from vsnap.image.manifest import TREE_DIRS
+from vsnap.image.store import CONTROL_OUTSIDE_IMAGES, require_outside_images
 from vsnap.protocol import control
 from vsnap.protocol.control import ErrorReport, LaunchConfig, Ready
 from vsnap.protocol.errors import EngineError
@@ -117,6 +118,7 @@ def new_tree_instance(control_dir: Path, kind: str, cleanup: Cleanup) -> TreeIns
     """A new instance (``kind``: its id's prefix) for a tree with ``control_dir`` as its control
     path. Its /dev/shm directory is removed on every exit; its instance directory on success
     only: a failure keeps it, with the logs its error names."""
+    require_outside_images(control_dir, "the control directory", CONTROL_OUTSIDE_IMAGES, itself=True)
     control.ensure_private_dir(control_dir)  # the mount point inside the tree
     instance_id, work = new_instance_dir(control_dir, kind)
     cleanup.on_success(shutil.rmtree, work, True)

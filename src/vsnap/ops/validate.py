@@ -12,6 +12,7 @@ from vsnap.host.verified import VERIFIED_DIR
 from vsnap.image.compat import host_differences, model_missing_hint
 from vsnap.image.handle import open_image
 from vsnap.image.manifest import MANIFEST
+from vsnap.image.store import CONTROL_OUTSIDE_IMAGES, IMAGE_OUTSIDE_IMAGES, require_outside_images
 from vsnap.protocol.errors import ImageHostMismatch, VsnapError
 from vsnap.spec.schema import load_spec
 
@@ -67,12 +68,14 @@ def _validate_spec(path: Path) -> ValidationReport:
         report.checks.append(run_check("vllm arguments",
                                        lambda: require_supported_args(spec, str(path), warn=None)))
     report.checks.append(run_check("image directory", lambda: (
-        require_trusted_ancestors(spec.image_dir), f"{spec.image_dir.parent} is root's alone (or will be made so)")[1]))
+        require_outside_images(spec.image_dir, "the image", IMAGE_OUTSIDE_IMAGES),
+        require_trusted_ancestors(spec.image_dir), f"{spec.image_dir.parent} is root's alone (or will be made so)")[2]))
     if spec.model is not None:
         report.checks.append(run_check("model", lambda: (
             require_trusted_model(Path(spec.model)), f"{spec.model} is root's alone")[1]))  # type: ignore[arg-type]
     report.checks.append(run_check("control directory", lambda: (
-        require_trusted_ancestors(spec.control_dir), f"{spec.control_dir.parent} is root's alone (or will be made so)")[1]))
+        require_outside_images(spec.control_dir, "the control directory", CONTROL_OUTSIDE_IMAGES, itself=True),
+        require_trusted_ancestors(spec.control_dir), f"{spec.control_dir.parent} is root's alone (or will be made so)")[2]))
     model_dir = Path(spec.model) if spec.model is not None else None
     report.checks += _resource_checks(lambda: resources.capture_needs(spec, model_dir, spec.image_dir,
                                                                       resources.capture_gpus(spec)), "capture")

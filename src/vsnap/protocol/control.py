@@ -23,6 +23,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import socket
 import stat
 import struct
@@ -210,32 +211,73 @@ def write_atomic(directory: Path, name: str, data: bytes, *, durable: bool = Tru
 def _write_atomic(directory: Path, name: str, data: bytes, durable: bool) -> None:
     dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
-        tmp = f".{name}.{os.getpid()}.tmp"
-        try:
-            os.unlink(tmp, dir_fd=dir_fd)
-        except FileNotFoundError:
-            pass
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=dir_fd)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            if durable:
-                os.fsync(fd)
-        except BaseException:  # a full disk, or a stop landing mid-write: leave no temp file behind
-            os.unlink(tmp, dir_fd=dir_fd)
-            raise
-        finally:
-            os.close(fd)
-        try:
+        tmp = temp_name(name, os.getpid())
+        renamed = False
+        try:  # from before the temp file exists to its rename: whatever ends this removes it
+            try:
+                os.unlink(tmp, dir_fd=dir_fd)
+            except FileNotFoundError:
+                pass
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=dir_fd)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+                if durable:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
             os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-        except OSError:  # a directory planted at ``name``, say: leave no temp file behind
-            os.unlink(tmp, dir_fd=dir_fd)
-            raise
+            renamed = True
+        finally:
+            # a full disk, a directory planted at ``name``, or a stop's exception landing anywhere in
+            # the block (even as os.open or os.close returns): no temp file left (the name holds our
+            # pid and was made O_EXCL: it is ours). A signal landing just here is what
+            # remove_stale_temp_files is for.
+            if not renamed:
+                try:
+                    os.unlink(tmp, dir_fd=dir_fd)
+                except FileNotFoundError:
+                    pass
         if durable:
             os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def temp_name(name: str, pid: int) -> str:
+    """The temporary name write_atomic writes ``name`` under, in the same directory."""
+    return f".{name}.{pid}.tmp"
+
+
+_TEMP_NAME = re.compile(r"\.(.+)\.([0-9]{1,10})\.tmp", re.DOTALL)
+STALE_TEMP_S = 60.0  # a write_atomic temp file lives for one write: one this old was left by a killed writer
+
+
+def remove_stale_temp_files(directory: Path, named: re.Pattern[str], older_than_s: float = STALE_TEMP_S) -> list[str]:
+    """Remove from ``directory`` (one of vsnap's own, root's and private) write_atomic's temp files
+    of names ``named`` fully matches that a writer killed mid-write left: regular files of ours,
+    untouched for ``older_than_s``. Anything else is left where it is. Returns the names removed."""
+    removed = []
+    try:
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return removed
+    try:
+        for entry in os.listdir(dir_fd):
+            m = _TEMP_NAME.fullmatch(entry)
+            if m is None or not named.fullmatch(m.group(1)):
+                continue
+            try:
+                st = os.stat(entry, dir_fd=dir_fd, follow_symlinks=False)
+                if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and time.time() - st.st_mtime > older_than_s:
+                    os.unlink(entry, dir_fd=dir_fd)
+                    removed.append(entry)
+            except FileNotFoundError:
+                continue
+    finally:
+        os.close(dir_fd)
+    return removed
 
 
 def write_message(directory: Path, name: str, message: _Message, *, durable: bool = True) -> None:
