@@ -2,9 +2,10 @@
 # Issue 28 item 1 on the GPU machine: the share of a model's loaded weights that weights by
 # reference finds in its files, per checkpoint format, with vLLM's CUDA processing (per-tensor FP8
 # requantizes fused shards; FP8 at load quantizes a bf16 checkpoint: both need CUDA kernels that the
-# CPU build of vLLM lacks, so the CPU VM measured only bf16 and per-channel FP8). Models of the 8B
-# and 70B shapes with 2 and 1 layers (every layer alike; scripts/reference_share.py extrapolates),
-# made on the GPU; one vLLM load each (eager, a 64 MiB KV cache). No CRIU run; ~3 to 4 minutes.
+# CPU build of vLLM lacks, so the CPU VM measured only per-channel FP8; its bf16 linear weights are
+# repacked outside torch there). Models of the 8B and 70B shapes with 2 and 1 layers (every layer
+# alike; scripts/reference_share.py extrapolates), made on the GPU; one vLLM load each (eager, a
+# 64 MiB KV cache). No CRIU run; ~3 to 4 minutes.
 #
 #   bash scripts/gpu-reference-share.sh     # carry .carry/vllm-parts-00 and .carry/criu (gpu-env.sh)
 #

@@ -9,6 +9,8 @@ machine), lets it process its weights as it does before serving (fused projectio
 quantizing at load), and runs vsnap's reference matcher (engine/adapters/vllm/weights/references.py,
 the capture's own code) over every parameter's storage against MODEL_DIR's safetensors. Prints, per
 kind of tensor, the bytes vLLM holds and the share the matcher references, and writes them as JSON.
+Exit 3 (and no share) where a parameter holds no bytes: the backend keeps that weight outside torch
+(vLLM's CPU build packs bf16 linear weights for oneDNN), so what the matcher saw is not the model.
 
 The capture matches the whole weights pool, which on a GPU also holds unnamed tensors made at load
 (the V2 runner's scratch, ~0.58 GB for the 8B: always literal); this script matches the model's
@@ -67,9 +69,11 @@ def _match(worker: Any, model_dir: str) -> dict[str, Any]:
             "skipped": [list(s) for s in plan.skipped], "empty_parameters": empty}
 
 
-def summarize(tensors: list[dict[str, Any]], layers_of: int | None) -> dict[str, Any]:
+def summarize(tensors: list[dict[str, Any]], layers_of: int | None, measured: bool = True) -> dict[str, Any]:
     """Bytes and referenced bytes per kind of tensor (a layer's tensors by their name inside the
-    layer, the rest by name), and the totals, extrapolated to ``layers_of`` layers if given."""
+    layer, the rest by name), and the totals, extrapolated to ``layers_of`` layers if given. No
+    share unless ``measured`` (every parameter held its bytes in torch): a share of what could be
+    seen would read as the model's."""
     kinds: dict[str, dict[str, int]] = defaultdict(lambda: {"bytes": 0, "referenced": 0, "count": 0})
     layers: set[str] = set()
     layer_bytes = layer_referenced = 0
@@ -87,23 +91,23 @@ def summarize(tensors: list[dict[str, Any]], layers_of: int | None) -> dict[str,
     total = sum(t["bytes"] for t in tensors)
     referenced = sum(t["referenced"] for t in tensors)
     out: dict[str, Any] = {"kinds": dict(sorted(kinds.items())), "layers": len(layers), "bytes": total,
-                           "referenced": referenced, "share": referenced / total if total else 0.0}
+                           "referenced": referenced, "share": referenced / total if total and measured else None}
     if layers_of and layers:
         scale = layers_of / len(layers)
         full = total - layer_bytes + layer_bytes * scale
         full_referenced = referenced - layer_referenced + layer_referenced * scale
         out.update({"layers_of": layers_of, "full_bytes": full, "full_referenced": full_referenced,
-                    "full_share": full_referenced / full})
+                    "full_share": full_referenced / full if measured else None})
     return out
 
 
 def table(result: dict[str, Any]) -> str:
     s = result["summary"]
     rows = [(f"{result['label']}: {s['bytes'] / 1e9:.3f} GB held, {s['referenced'] / 1e9:.3f} GB referenced "
-             f"({100 * s['share']:.1f} %), {s['layers']} layers; matched in {result['match_s']:.1f} s")]
-    if "full_share" in s:
+             f"({_percent(s['share'])}), {s['layers']} layers; matched in {result['match_s']:.1f} s")]
+    if s.get("full_share") is not None:
         rows.append(f"  with {s['layers_of']} layers: {s['full_bytes'] / 1e9:.2f} GB, {s['full_referenced'] / 1e9:.2f} GB "
-                    f"referenced ({100 * s['full_share']:.1f} %), {(s['full_bytes'] - s['full_referenced']) / 1e9:.3f} GB literal")
+                    f"referenced ({_percent(s['full_share'])}), {(s['full_bytes'] - s['full_referenced']) / 1e9:.3f} GB literal")
     if result["empty_parameters"]:
         rows.append(f"  NOT MEASURED: {len(result['empty_parameters'])} parameters hold no bytes (e.g. "
                     f"{result['empty_parameters'][0]}): this backend keeps those weights outside torch, "
@@ -114,13 +118,18 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def _percent(share: float | None) -> str:
+    return "not measured" if share is None else f"{100 * share:.2f} %"
+
+
 def brief(result: dict[str, Any]) -> str:
     s = result["summary"]
+    if result.get("empty_parameters"):
+        return (f"{result['label']:<18} not measured: {len(result['empty_parameters'])} parameters were repacked "
+                f"outside torch by this backend (vLLM {result['vllm']})")
     full, referenced = s.get("full_bytes", s["bytes"]), s.get("full_referenced", s["referenced"])
     return (f"{result['label']:<18} {s.get('layers_of', s['layers']):>3} layers: {full / 1e9:7.2f} GB, "
-            f"referenced {100 * referenced / full:5.1f} %, literal {(full - referenced) / 1e9:6.3f} GB (vLLM {result['vllm']})"
-            + (f"; {len(result['empty_parameters'])} parameters repacked outside torch, not measured"
-               if result.get("empty_parameters") else ""))
+            f"referenced {100 * referenced / full:6.2f} %, literal {(full - referenced) / 1e9:6.3f} GB (vLLM {result['vllm']})")
 
 
 def main() -> int:
@@ -151,13 +160,13 @@ def main() -> int:
     result = {"label": args.label or os.path.basename(model), "model": model, "quantization": args.quantization,
               "vllm": __version__, "load_s": load_s, "match_s": found["match_s"], "files": found["files"],
               "skipped": found["skipped"], "empty_parameters": found["empty_parameters"],
-              "summary": summarize(found["tensors"], args.layers_of),
+              "summary": summarize(found["tensors"], args.layers_of, measured=not found["empty_parameters"]),
               "tensors": found["tensors"]}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
     print(table(result))
-    return 0
+    return 3 if found["empty_parameters"] else 0  # no share: some weights were not where it could see them
 
 
 if __name__ == "__main__":

@@ -84,7 +84,7 @@ def test_a_spec_inside_an_image_is_refused_before_anything_is_made(tmp_path: Pat
     victim = make_image(root / "victim")
     before = sorted(str(p) for p in tmp_path.rglob("*"))
     specs = {"image": f"image: {victim}/sub\nsnapshot:\n  control_dir: {tmp_path}/ctl\n",
-             "control": f"image: {root}/fine\nsnapshot:\n  control_dir: {victim}/logs\n"}
+             "control": f"image: {root}/new/fine\nsnapshot:\n  control_dir: {victim}/logs\n"}  # new/: not made
     for what, lines in specs.items():
         spec = tmp_path.parent / f"{tmp_path.name}-{what}.yaml"  # beside tmp_path: its listing stays as it was
         spec.write_text(f"name: a\nengine: cpu\n{lines}")

@@ -354,3 +354,32 @@ def test_nothing_is_captured_or_pulled_into_an_image(tmp_path: Path) -> None:
     assert sorted(str(p) for p in victim.rglob("*")) == before
     require_outside_images(tmp_path / "images" / "beside", "the image", "hint")  # beside an image: fine
     require_outside_images(victim, "the image", "hint")  # the image itself: what --force replaces
+
+
+def test_an_image_recording_a_control_directory_inside_another_image_fails_validate(tmp_path: Path) -> None:
+    """Hostile pass 18's review: `vsnap validate IMAGE` checked nothing of the control directory an
+    image records, which a restore refuses (inside another image, a system directory): it now shows
+    that row, failing, and stops there (nothing the image names is read after it)."""
+    from vsnap.ops import validate as ops_validate
+
+    victim = make_image(tmp_path / "images" / "victim")
+    nested = make_image(tmp_path / "images" / "nested", control_dir=str(victim / "logs"))
+    rows = {check.name: check for check in ops_validate.validate_target(nested).checks}
+    assert not rows["control directory"].ok
+    assert f"is inside the vsnap image {victim}" in rows["control directory"].detail
+    assert "image files" not in rows
+    fine = make_image(tmp_path / "images" / "fine", control_dir=str(tmp_path / "ctl" / "fine"))
+    rows = {check.name: check for check in ops_validate.validate_target(fine).checks}
+    assert rows["control directory"].ok and rows["image files"].ok
+
+
+def test_opening_a_directory_that_is_no_image_makes_no_lock_file_beside_it(tmp_path: Path) -> None:
+    """Hostile pass 18's review: `vsnap restore /root/notes` left `/root/.notes.readers.lock`."""
+    from vsnap.image.handle import open_image
+
+    notes = tmp_path / "notes"
+    notes.mkdir(mode=0o700)
+    os.chmod(tmp_path, 0o700)
+    with pytest.raises(ImageError, match="not a vsnap image"):
+        open_image(notes)
+    assert [p.name for p in tmp_path.iterdir()] == ["notes"]

@@ -154,7 +154,7 @@ def test_two_pulls_into_one_model_directory_do_not_undo_each_other(
 
 
 @pytest.mark.parametrize("case", ["not the model's", "vsnap's records", "inside the image", "holds the image",
-                                  "a hidden directory", "an existing hidden directory", "a spool directory",
+                                  "inside another image", "a hidden directory", "an existing hidden directory", "a spool directory",
                                   "runtime state", "a sticky directory others write to", "writable by a group"])
 def test_a_model_directory_a_pull_must_not_write_into_is_refused_before_any_blob(
         case: str, serve: Callable[[], Server], tmp_path: Path) -> None:
@@ -202,6 +202,12 @@ def test_a_model_directory_a_pull_must_not_write_into_is_refused_before_any_blob
     elif case == "inside the image":
         model_dir = target / "model"
         needle = "the image"
+    elif case == "inside another image":  # hostile pass 18's review: the files would join that image
+        from tests.unit.fake_image import make_image
+
+        other = make_image(images(tmp_path) / "other")
+        model_dir = other / "model"
+        needle = f"the model directory {model_dir} is inside the vsnap image {other}"
     else:
         model_dir = target.parent
         needle = "the image"

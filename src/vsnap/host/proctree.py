@@ -139,15 +139,25 @@ def is_vsnap_command(pid: int) -> bool:
 
 
 def _is_console_script(pid: int, path: str) -> bool:
-    """Is ``path`` (as process ``pid`` named it: relative to its cwd, inside its root) a small
-    regular file that imports vsnap.cli? Read only, never waited on (a FIFO is refused)."""
+    """Is ``path`` (as process ``pid`` named it: relative to its cwd, inside its root) a regular
+    file whose first 4 KiB import vsnap.cli (a text search)? Looked at with O_PATH first: only a
+    regular file is opened for reading (a device, a FIFO is never opened), and it is read where
+    that look found it."""
     where = f"/proc/{pid}/root{path}" if os.path.isabs(path) else f"/proc/{pid}/cwd/{path}"
     try:
-        fd = os.open(where, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        found = os.open(where, os.O_PATH | os.O_CLOEXEC)
     except OSError:
         return False
     try:
-        return stat.S_ISREG(os.fstat(fd).st_mode) and b"from vsnap.cli import" in os.read(fd, 4096)
+        if not stat.S_ISREG(os.fstat(found).st_mode):
+            return False
+        fd = os.open(f"/proc/self/fd/{found}", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    finally:
+        os.close(found)
+    try:
+        return b"from vsnap.cli import" in os.read(fd, 4096)
     except OSError:
         return False
     finally:

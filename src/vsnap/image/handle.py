@@ -103,6 +103,8 @@ def open_image(path: Path | str, *, trusted: bool = True, lock: bool = True) -> 
     held = ExitStack()
     try:
         if lock:
+            if not store.is_vsnap_image(image_dir):
+                read_manifest(image_dir)  # refuses it, before a lock file is made beside a directory that is no image
             held.enter_context(store.image_read_lock(image_dir))
         manifest = read_manifest(image_dir)
     except BaseException:

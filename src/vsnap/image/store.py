@@ -24,6 +24,7 @@ from typing import Callable, Iterable, Iterator
 
 from vsnap.host import verified
 from vsnap.host.fs import RENAME_EXCHANGE, renameat2
+from vsnap.host.paths import require_safe_directory
 from vsnap.host.trust import (
     is_private_dir,
     make_trusted_dirs,
@@ -151,6 +152,19 @@ def require_outside_images(path: Path, what: str, hint: str, *, itself: bool = F
         if is_vsnap_image(above) or _IMAGE_WORK_DIR.fullmatch(above.name):
             raise ImageError(f"{what} {path} is inside the vsnap image {above}; writing there would change "
                              "that image", hint=hint)
+
+
+RECORDED_CONTROL_HINT = ("capture the image again with a snapshot.control_dir outside every image, or move the "
+                         "image that holds its control directory")
+
+
+def require_recorded_control_dir(control_dir: str) -> None:
+    """What a restore (and `vsnap validate IMAGE`) requires of the control directory an image
+    records, before anything is read or made: a plain absolute path, no system directory, root's
+    ancestors, and inside no image."""
+    require_safe_directory(control_dir, "the manifest's control_dir")
+    require_trusted_ancestors(Path(control_dir))
+    require_outside_images(Path(control_dir), "the control directory", RECORDED_CONTROL_HINT, itself=True)
 
 
 def _open_lock(lock_path: Path) -> int:

@@ -114,8 +114,8 @@ def _preflight(spec: ModelSpec, image_dir: Path, force: bool, timings: Timings) 
         require_safe_directory(str(image_dir), "the image")
         require_host(spec.engine)
         runner = CriuRunner.locate()
-        check_parent(image_dir)
         require_outside_images(spec.control_dir, "the control directory", CONTROL_OUTSIDE_IMAGES, itself=True)
+        check_parent(image_dir)  # makes the image's missing parents: after the control directory's refusal
         require_trusted_ancestors(spec.control_dir)
         require_replaceable(image_dir, force)
         if spec.model is not None:

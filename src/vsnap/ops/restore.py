@@ -37,7 +37,7 @@ from vsnap.host.instances import (
     unregister,
 )
 from vsnap.host.netns import NetnsHolder
-from vsnap.host.paths import require_runtime_dir, require_safe_directory
+from vsnap.host.paths import require_runtime_dir
 from vsnap.host.proctree import (
     ProcessIdentity,
     become_subreaper,
@@ -51,12 +51,12 @@ from vsnap.host.proctree import (
     wait_gone,
 )
 from vsnap.host.shm import instance_shm_dir, put_back, remove_instance_shm
-from vsnap.host.trust import copy_no_follow, make_trusted_dirs, require_trusted_ancestors
+from vsnap.host.trust import copy_no_follow, make_trusted_dirs
 from vsnap.host.verified import VERIFIED_DIR
 from vsnap.image.compat import HostDifference, current_facts
 from vsnap.image.handle import Image, open_image
 from vsnap.image.manifest import TREE_DIRS, Manifest
-from vsnap.image.store import CONTROL_OUTSIDE_IMAGES, require_outside_images
+from vsnap.image.store import require_recorded_control_dir
 from vsnap.protocol import control
 from vsnap.protocol.control import Standby
 from vsnap.protocol.errors import EngineError, HostNotReady, UnsupportedOption, VsnapError
@@ -212,8 +212,7 @@ def _verify(image: Image, host: str, port: int, gpu: str | None, clock: CheckClo
     needs anyway); the first failure in this order is the one reported."""
     manifest = image.manifest
     require_gpu_state(image, gpu)
-    require_safe_directory(manifest.control_dir, "the manifest's control_dir")
-    require_trusted_ancestors(Path(manifest.control_dir))
+    require_recorded_control_dir(manifest.control_dir)
     if not standby:  # a standby reads them when it is activated
         require_serving_files(manifest)
     clock.mark("trust_and_manifest")
@@ -264,7 +263,6 @@ def _prepare_host(image: Image, cleanup: Cleanup, *, standby: bool) -> _Instance
     """The instance directory, its record, the captured engine log and /dev/shm files put back."""
     manifest = image.manifest
     read_ahead(image.weights_dir)  # read while CRIU and CUDA restore; the engine streams it at recover
-    require_outside_images(Path(manifest.control_dir), "the control directory", CONTROL_OUTSIDE_IMAGES, itself=True)
     control.ensure_private_dir(make_trusted_dirs(Path(manifest.control_dir)))  # the mount point inside the tree
     instance_id, work = new_instance_dir(Path(manifest.control_dir), "r")
     record = InstanceRecord(id=instance_id, image=str(image.path), name=manifest.name, state="restoring",

@@ -12,7 +12,12 @@ from vsnap.host.verified import VERIFIED_DIR
 from vsnap.image.compat import host_differences, model_missing_hint
 from vsnap.image.handle import open_image
 from vsnap.image.manifest import MANIFEST
-from vsnap.image.store import CONTROL_OUTSIDE_IMAGES, IMAGE_OUTSIDE_IMAGES, require_outside_images
+from vsnap.image.store import (
+    CONTROL_OUTSIDE_IMAGES,
+    IMAGE_OUTSIDE_IMAGES,
+    require_outside_images,
+    require_recorded_control_dir,
+)
 from vsnap.protocol.errors import ImageHostMismatch, VsnapError
 from vsnap.spec.schema import load_spec
 
@@ -116,6 +121,11 @@ def _validate_image(image_dir: Path) -> ValidationReport:
     manifest = image.manifest
     report.checks.append(Check("manifest", True, f"{manifest.name}: engine {manifest.engine}, "
                                                  f"captured {manifest.created_at} on {manifest.host.hostname}"))
+    control = run_check("control directory", lambda: (require_recorded_control_dir(manifest.control_dir),
+                                                       f"{manifest.control_dir}: usable")[1])
+    report.checks.append(control)
+    if not control.ok:
+        return report
     # every file hashed; the result is remembered, so a restore right after need not hash again
     files = run_check("image files", lambda: (
         image.verify_files(rehash=True),

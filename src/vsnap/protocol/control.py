@@ -245,12 +245,15 @@ def _write_atomic(directory: Path, name: str, data: bytes, durable: bool) -> Non
         os.close(dir_fd)
 
 
+_TEMP_PREFIX, _TEMP_SUFFIX = ".", ".tmp"
+
+
 def temp_name(name: str, pid: int) -> str:
     """The temporary name write_atomic writes ``name`` under, in the same directory."""
-    return f".{name}.{pid}.tmp"
+    return f"{_TEMP_PREFIX}{name}.{pid}{_TEMP_SUFFIX}"
 
 
-_TEMP_NAME = re.compile(r"\.(.+)\.([0-9]{1,10})\.tmp", re.DOTALL)
+_TEMP_NAME = re.compile(rf"{re.escape(_TEMP_PREFIX)}(.+)\.[0-9]{{1,10}}{re.escape(_TEMP_SUFFIX)}", re.DOTALL)  # temp_name's
 STALE_TEMP_S = 60.0  # a write_atomic temp file lives for one write: one this old was left by a killed writer
 
 

@@ -47,7 +47,7 @@ from vsnap.host.paths import DEFAULT_IMAGE_ROOT, RUNTIME_DIR, require_safe_direc
 from vsnap.host.trust import make_trusted_dirs, require_trusted_model
 from vsnap.image.compat import dependency_mismatches
 from vsnap.image.manifest import Dependency, FileEntry, Manifest
-from vsnap.image.store import make_or_adopt_staging_dir
+from vsnap.image.store import make_or_adopt_staging_dir, require_outside_images
 from vsnap.protocol.errors import (
     HostNotReady,
     ImageBusy,
@@ -147,6 +147,7 @@ def prepare(model_dir: Path, manifest: Manifest, artifact: Artifact, *, image_di
                               "model's files by the path they had at capture")
     require_safe_directory(str(model_dir), "the model directory")
     _require_apart(model_dir, image_dir)
+    require_outside_images(model_dir, "the model directory", APART_HINT, itself=True)
     _require_no_settings(model_dir)
     make_trusted_dirs(model_dir)
     _require_roots_alone(model_dir, model_dir)
