@@ -81,8 +81,8 @@ def _stop_restoring(record: InstanceRecord) -> None:
             break  # its vsnap process died (SIGKILL) without cleaning up: no one will answer the request
         time.sleep(0.05)
     stuck = (record.activator or record.owner).identity
-    if is_same(stuck) and is_vsnap_command(stuck.pid):  # a stuck restore: end it (never another program a record names), then the tree
-        kill_tree(stuck, grace_s=5)
+    if is_same(stuck) and is_vsnap_command(stuck.pid):  # a stuck restore: end it, then the tree
+        kill_tree(stuck, grace_s=5)  # (never another program a record names, nor one that took its PID)
     if record.tree is not None and is_instance_tree(record):
         kill_tree(record.tree.identity)
     unregister(record.id)
