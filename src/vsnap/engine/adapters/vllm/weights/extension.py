@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vsnap.engine.adapters.vllm.tp import TensorParallelExtension
-from vsnap.engine.heap import release_heap
+from vsnap.engine.heap import freeze_heap, release_heap
 
 from .copiers import UNLOCK_PAUSE_S, LockedPages, UnlockRefused, release_all, stream_into
 from .layout import Segment, file_name, fingerprint, layout
@@ -240,7 +240,8 @@ class WeightsFileExtension(TensorParallelExtension):
 
     def vsnap_release_memory(self) -> dict[str, float]:
         """After vLLM's sleep, before a checkpoint: drop what the image need not carry (freed blocks
-        of torch's cache, freed heap) and report what is left (device_memory_report).
+        of torch's cache, freed heap), freeze what is left of the heap (engine.heap.freeze_heap),
+        and report what is left (device_memory_report) and the collection's time.
 
         Not cuBLAS's workspaces (``torch._C._cuda_clearCublasWorkspaces()``, 67 MB on the 8B):
         captured CUDA graphs use them, and on the 8B the first request after a wake then hit an
@@ -249,7 +250,9 @@ class WeightsFileExtension(TensorParallelExtension):
 
         torch.cuda.synchronize()
         start = _device_used()
+        collecting = time.monotonic()
         release_heap()  # first: a collected tensor's block can then be returned
+        collect_s = time.monotonic() - collecting
         torch.cuda.empty_cache()
         stack: dict[str, float] = {}
         if os.environ.get(STACK_ENV) != "keep" and getattr(self, "_vsnap_stack_limit", None) is None:
@@ -257,7 +260,9 @@ class WeightsFileExtension(TensorParallelExtension):
             if lowered is not None:
                 self._vsnap_stack_limit, freed = lowered
                 stack = {"stack_freed_bytes": float(freed)}
-        return {**device_memory_report(), **stack, "freed_bytes": float(start - _device_used())}
+        frozen = freeze_heap()  # last: what the image holds is frozen (heap.freeze_heap says why)
+        return {**device_memory_report(), **stack, "freed_bytes": float(start - _device_used()),
+                "gc_collect_s": collect_s, "gc_frozen_objects": float(frozen)}
 
     def vsnap_restore_stack_limit(self) -> dict[str, float]:
         """At a wake, before any kernel runs: the stack limit vsnap_release_memory lowered goes
