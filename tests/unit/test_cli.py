@@ -233,3 +233,47 @@ def test_a_path_that_cannot_be_looked_at_is_an_error_line(tmp_path: Path) -> Non
     assert result.exit_code == 2 and "cannot be read: File name too long" in result.stderr
     assert "Traceback" not in result.stderr
 
+
+
+def test_a_hostile_record_is_one_row_of_ps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hostile pass 19: a record's image holding newlines (and its url and gpu, which were not
+    checked at all) forged rows of `vsnap ps`. The url and gpu are checked as a record is read;
+    the image is shown on its line."""
+    from vsnap.protocol.records import RecordError
+
+    out = io.StringIO()
+    monkeypatch.setattr(_render, "stdout", Console(file=out, width=200, color_system=None, soft_wrap=True))
+    long, _ = records()
+    forged = long.model_copy(update={"image": "/img/a\nr-00000bad /opt/trusted/prod   -   0.0.0.0:80"})
+    monkeypatch.setattr(ps_cli, "_records", lambda: ([forged], []))
+    assert invoke("ps").exit_code == 0
+    rows = [line for line in out.getvalue().splitlines() if line.strip() and not set(line.strip()) <= {"─", " "}]
+    assert len(rows) == 2 and "/img/a\\nr-00000bad" in rows[1]  # the header, then one row
+    for update, needle in (({"url": "http://127.0.0.1:8000\nr-deadbeef /fake"}, "url must be"),
+                           ({"url": "file:///etc/passwd"}, "url must be"),
+                           ({"gpu": "GPU-\x1b[31m\nXX"}, "gpu must be GPU UUIDs")):
+        with pytest.raises(RecordError, match=needle):
+            type(long)(**{**long.model_dump(), **update})
+
+
+def test_restore_json_in_the_foreground_stays_one_document_when_the_server_exits(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Hostile pass 19: `vsnap restore --json` printed the serving document, then, when the server
+    exited, a second document (the EngineError) on stdout: a reader of stdout got `Extra data`.
+    The exit is said on stderr, with its exit code."""
+    from types import SimpleNamespace
+
+    from vsnap.cli import restore as restore_cli
+    from vsnap.ops import restore as restore_ops
+
+    server = SimpleNamespace(pid=4242, url="http://127.0.0.1:8000", host="127.0.0.1", port=8000, instance_id="r-1a2b3c4d",
+                             instance_dir=tmp_path, gpu=None, image_dir=tmp_path, timings={}, recovery={},
+                             host_warnings=[], hashed_files=0, restore_log=tmp_path / "restore.log",
+                             engine_log=tmp_path / "engine.log", standby=False)
+    monkeypatch.setattr(restore_ops, "restore_image", lambda *a, **k: server)
+    monkeypatch.setattr(restore_ops, "wait_server", lambda pid: None)
+    monkeypatch.setattr(restore_cli, "serving_document", lambda server, started_s: {"url": server.url})
+    result = invoke("restore", str(tmp_path), "--json")
+    assert result.exit_code == 6, result.stderr
+    assert document(result)["url"] == "http://127.0.0.1:8000"  # the one document
+    assert "EngineExited: the server exited" in result.stderr and result.stderr.startswith("error: ")

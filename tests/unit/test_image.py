@@ -197,3 +197,30 @@ def test_a_fifo_named_manifest_json_is_not_an_image_and_is_not_waited_on(tmp_pat
         assert is_vsnap_image(tmp_path) is False
     finally:
         signal.alarm(0)
+
+
+@pytest.mark.parametrize("field, value, needle", [
+    ("name", "prod\u200b", "name must be a spec's name"),
+    ("name", "A" * 15_000_000, "name must be a spec's name"),
+    ("vsnap_version", "0.2.0; ok\nhint: fine", "vsnap_version must be at most"),
+    ("created_at", "2026\u202e", "created_at must be at most"),
+    ("origin", "x" * 2000, "origin must be at most"),
+    ("host", {"hostname": "h\x1b]8;;", "kernel": "6", "arch": "x", "criu": "4", "python": "3", "vsnap": "0"},
+     "host.hostname must be at most"),
+])
+def test_a_manifest_string_a_command_prints_is_one_short_printable_line(tmp_path: Path, field: str, value, needle: str) -> None:
+    """Hostile pass 19: a manifest (a registry's, or one edited in place) whose name was 15 MB kept
+    `vsnap images` busy for 5 minutes; newlines and invisible characters in its versions, dates and
+    hostname forged lines or lookalike names wherever they were printed. Refused as malformed."""
+    import json
+
+    from tests.unit.fake_image import make_image
+    from vsnap.image.manifest import read_manifest
+    from vsnap.protocol.errors import ImageFormatError
+
+    image = make_image(tmp_path / "img")
+    raw = json.loads((image / "manifest.json").read_text())
+    raw[field] = value
+    (image / "manifest.json").write_text(json.dumps(raw))
+    with pytest.raises(ImageFormatError, match=needle):
+        read_manifest(image)

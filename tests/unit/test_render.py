@@ -148,3 +148,34 @@ def test_a_transfers_progress_is_one_line_every_ten_seconds_in_a_log(monkeypatch
     lines = log.getvalue().splitlines()
     assert lines == ["  download blobs 20.00 of 50.00 GB, 2.00 GB/s", "  download blobs 40.00 of 50.00 GB, 2.00 GB/s",
                      "✓ download blobs     25.00 s"]
+
+
+def test_invisible_and_reversing_characters_are_shown_not_sent() -> None:
+    """Hostile pass 19: bidi overrides (U+202E shows `x<RLO>gnp.exe` as `xexe.png`) and zero-width
+    characters (`prod` and `prod<ZWSP>` look alike) from manifests, records and registry error
+    bodies reached the terminal as they were. Every character str.isprintable() refuses is escaped
+    but tab and newline; one_line escapes those too."""
+    from vsnap.cli._render import one_line
+
+    assert clean("x\u202egnp.exe prod\u200b \ufeff\u2028\xa0 é 中") == "x\\u202egnp.exe prod\\u200b \\ufeff\\u2028\\xa0 é 中"
+    assert clean("a\ud800b\U000e0001") == "a\\ud800b\\U000e0001"
+    assert one_line("ok\nhint: fine\tx\u202e") == "ok\\nhint: fine\\tx\\u202e"
+    buffer = io.StringIO()
+    CleanConsole(file=buffer, width=120, color_system=None).print("name prod\u200b and x\u202egnp.exe")
+    assert "\u200b" not in buffer.getvalue() and "\u202e" not in buffer.getvalue()
+
+
+def test_an_error_message_is_one_line_whatever_it_quotes(capsys) -> None:
+    """Hostile pass 19: a newline in a name an error quotes (a manifest's vsnap_version, a dependency's
+    path, a file planted in an image) forged `error:` and `hint:` lines. Only a host mismatch of
+    several facts has lines of its own, one per fact, each fact on its line whatever it holds."""
+    from vsnap.cli._render import print_error
+    from vsnap.protocol.errors import ImageHostMismatch, ImageTampered
+
+    print_error(ImageTampered("logs/x\nhint: all good\u202e", "sha256 0", "an unlisted file"), as_json=False)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 2 and err.startswith("error: ") and "logs/x\\nhint: all good\\u202e" in err
+    mismatch = ImageHostMismatch([("file /nonexistent\nerror: none", "1 bytes", "missing"), ("python", "3.11", "3.12")])
+    print_error(mismatch, as_json=False)
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["error", "  file /nonexistent\\nerror", "  python", "hint"]

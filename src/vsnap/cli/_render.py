@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 import time
 from typing import TYPE_CHECKING, Any, Iterable
 
 from vsnap.host.events import PhaseEvent
-from vsnap.protocol.errors import VsnapError
+from vsnap.protocol.errors import ImageHostMismatch, VsnapError
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -30,16 +29,29 @@ if TYPE_CHECKING:
 
 JSON_FORMAT_VERSION = 1
 
-# C0 controls but tab and newline, DEL, C1 controls (0x9b is CSI on many terminals), and lone
-# surrogates (no terminal encoding can write one: the console would raise)
-CONTROL_CHARACTERS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff]")
+# What clean() escapes: every character str.isprintable() refuses (C0 and C1 controls, ESC and
+# 0x9b (CSI) among them, DEL, lone surrogates, which no terminal encoding can write, and Unicode's
+# invisible format characters and separators: bidi overrides that show a name reversed, zero-width
+# characters that make two names look alike), but tab and newline.
+
+
+def _unprintable(text: str) -> bool:
+    return not text.isprintable() and not text.replace("\n", "").replace("\t", "").isprintable()
 
 
 def clean(text: str) -> str:
-    """``text`` with every control character (ESC included) written as ``\\xNN`` (a lone
-    surrogate as ``\\uNNNN``)."""
-    return CONTROL_CHARACTERS.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100
-                                  else f"\\u{ord(m.group()):04x}", text)
+    """``text`` with every character it must not show as it is (see above) written as ``\\xNN``
+    or ``\\uNNNN``; tabs and newlines stay (one_line escapes them too)."""
+    if not _unprintable(text):
+        return text
+    return "".join(c if c.isprintable() or c in "\n\t" else f"\\x{ord(c):02x}" if ord(c) < 0x100
+                   else f"\\u{ord(c):04x}" if ord(c) < 0x10000 else f"\\U{ord(c):08x}" for c in text)
+
+
+def one_line(text: str) -> str:
+    """``text`` cleaned (clean), newlines and tabs escaped too: for a table's cell or a message's
+    line, where a name someone else chose must not forge a line."""
+    return clean(text).replace("\n", "\\n").replace("\t", "\\t")
 
 
 def escape(text: str) -> str:
@@ -59,7 +71,7 @@ def _clean_console_class() -> type:
 
         def render(self, renderable: Any, options: Any = None) -> Iterable[Segment]:
             for segment in super().render(renderable, options):
-                if segment.control or not CONTROL_CHARACTERS.search(segment.text):
+                if segment.control or not _unprintable(segment.text):
                     yield segment
                 else:
                     yield Segment(clean(segment.text), segment.style, segment.control)
@@ -189,10 +201,15 @@ def print_error(error: VsnapError, as_json: bool) -> None:
         print_json("error", error.to_dict())
         return
     console = _get("stderr")
-    console.print(f"[bold red]error:[/] {escape(clean(error.message))}")
+    # every line one_line: a newline in a name the message quotes must not forge an error or hint
+    # line; only a host mismatch of several facts has lines of its own (each fact escaped in it)
+    first, *more = error.message.split("\n") if isinstance(error, ImageHostMismatch) else [error.message]
+    console.print(f"[bold red]error:[/] {escape(one_line(first))}")
+    for line in more:
+        console.print(f"  {one_line(line.lstrip())}", markup=False)
     for issue in getattr(error, "issues", [])[1:]:  # a SpecError: every issue, each on its line
-        console.print(f"       {clean(str(issue))}", markup=False)
+        console.print(f"       {one_line(str(issue))}", markup=False)
     if error.hint:
-        console.print(f"[yellow]hint:[/] {escape(clean(error.hint))}")
+        console.print(f"[yellow]hint:[/] {escape(one_line(error.hint))}")
     if error.log_path:
-        console.print(f"log:  {clean(error.log_path)}", markup=False)
+        console.print(f"log:  {one_line(error.log_path)}", markup=False)

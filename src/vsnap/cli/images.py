@@ -19,12 +19,6 @@ if TYPE_CHECKING:
     from vsnap.image import local as _images
 
 
-def one_line(text: str) -> str:
-    """``text`` cleaned of control characters (see _render.clean), newlines and tabs too: a name
-    under an image root is chosen by whoever made it, and must not forge a line of the listing."""
-    return _render.clean(text).replace("\n", "\\n").replace("\t", "\\t")
-
-
 def human_size(size: int) -> str:
     """328.3 MB, 17.2 GB: decimal units, at most 8 characters."""
     value = float(size)
@@ -75,7 +69,7 @@ def image_row(info: _images.ImageInfo) -> dict[str, str]:
 def images_table(images: Iterable[_images.ImageInfo], width: int = 80) -> Table:
     """The images in ``width`` columns: names, paths, models and references wrap, the rest stays
     on one line. Text from a manifest is cleaned of control characters and never read as markup."""
-    rows = [{k: one_line(v) for k, v in image_row(info).items()} for info in images]
+    rows = [{k: _render.one_line(v) for k, v in image_row(info).items()} for info in images]
     natural = {c: max([len(c)] + [len(r[c]) for r in rows]) for c in COLUMNS}
     widths = fit_widths(natural, width)
     table = Table(box=box.SIMPLE_HEAD, padding=0, show_edge=False)  # one space between columns
@@ -107,8 +101,8 @@ def images(
         })
         return
     for entry in listing.skipped:
-        _render.stderr.print(f"skipped {one_line(entry.path)}: {one_line(entry.reason)}", markup=False)
+        _render.stderr.print(f"skipped {_render.one_line(entry.path)}: {_render.one_line(entry.reason)}", markup=False)
     if not listing.images:
-        _render.stderr.print(f"no vsnap image under {one_line(', '.join(listing.roots))}", markup=False)
+        _render.stderr.print(f"no vsnap image under {_render.one_line(', '.join(listing.roots))}", markup=False)
         return
     _render.stdout.print(images_table(listing.images, _render.stdout.width))

@@ -26,7 +26,7 @@ def inspect(
     if as_json:
         _render.print_json("inspect", {"image": str(image), "manifest": manifest.model_dump(mode="json")})
         return
-    table = Table(title=escape(_render.clean(f"image {image}")), title_justify="left", show_header=False)
+    table = Table(title=escape(_render.one_line(f"image {image}")), title_justify="left", show_header=False)
     table.add_column("key")
     table.add_column("value", overflow="fold")
     h = manifest.host
@@ -46,7 +46,7 @@ def inspect(
         rows.insert(7, ("weights file", f"{weights / 1e6:.1f} MB (streamed back at restore)"))
     rows += [(f"process {p.get('pid', '?')}", process_line(p)) for p in manifest.processes if isinstance(p, dict)]
     for key, value in rows:
-        table.add_row(key, escape(_render.clean(value)))  # values hold "[heap]" and paths, not markup or ESC
+        table.add_row(key, escape(_render.one_line(value)))  # values hold "[heap]" and paths, not markup or ESC
     _render.stdout.print(table)
 
 

@@ -55,12 +55,16 @@ def ps_table(running: Iterable[InstanceRecord], gone: Iterable[InstanceRecord] =
     table.add_column("up", justify="right", no_wrap=True)
     for record in running:
         up = compact_duration(now - record.started_at) if record.state == "serving" else record.state
-        table.add_row(Text(record.id), Text(_render.clean(record.image)), short_gpu(record.gpu), Text(address(record.url)),
-                      str(record.pid), up)
-    for record in gone:  # plain Text: ids and paths are never read as markup or :emoji: codes
-        table.add_row(Text(record.id), Text(_render.clean(record.image)), short_gpu(record.gpu), "-", str(record.pid),
-                      Text("gone", style="dim"))
+        table.add_row(*_cells(record), Text(_render.one_line(address(record.url))), str(record.pid), up)
+    for record in gone:
+        table.add_row(*_cells(record), "-", str(record.pid), Text("gone", style="dim"))
     return table
+
+
+def _cells(record: InstanceRecord) -> tuple[Text, Text, Text]:
+    """id, image and GPU as plain Text (never read as markup or :emoji: codes), each on one line: a
+    record is root's but still input, and must not forge a row."""
+    return (Text(record.id), Text(_render.one_line(record.image)), Text(_render.one_line(short_gpu(record.gpu))))
 
 
 def _records() -> tuple[list[InstanceRecord], list[InstanceRecord]]:

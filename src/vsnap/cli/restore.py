@@ -73,14 +73,18 @@ def restore(
         _render.stderr.print("stopping the server…")
         stop_server(server)
         raise
-    raise EngineError("serve", "EngineExited", "the server exited", log_path=server.engine_log)
+    exited = EngineError("serve", "EngineExited", "the server exited", log_path=server.engine_log)
+    if as_json:  # stdout holds the serving document: it stays the one document, the exit is said on stderr
+        _render.print_error(exited, as_json=False)
+        raise typer.Exit(code=exited.exit_code)
+    raise exited
 
 
 def _report(server: RestoredServer, as_json: bool, detach: bool, standby: bool, lazy_pages: bool,
             started_s: float) -> None:
     if not as_json:
         for warning in server.host_warnings:  # before the table: they may explain what follows
-            _render.stderr.print(f"warning: {_render.clean(warning)}", markup=False)
+            _render.stderr.print(f"warning: {_render.one_line(warning)}", markup=False)
     if standby:
         _report_standby(server, as_json, detach, started_s)
     elif as_json:

@@ -45,6 +45,8 @@ from .trust import make_trusted_dirs
 
 PID_MAX = 1 << 22  # the kernel's pid_max can be at most 4194304
 INSTANCE_NAME = re.compile(r"(?:capture|r|cold)-[0-9a-f]{8}")  # what new_instance_dir makes
+URL = re.compile(r"https?://[^\s]{1,1016}")  # what a served instance is reached at (vsnap ps prints it)
+GPUS = re.compile(r"GPU-[0-9a-f-]{36}(?:,GPU-[0-9a-f-]{36}){0,63}")  # a rank's GPU UUID each
 RECORD_NAME = re.compile(rf"(?:{INSTANCE_NAME.pattern})\.json")  # an instance's or a capture's record
 STOP_REQUEST = "stop.request"  # written into a restoring instance's directory by `vsnap stop`
 ORPHAN_FORK_WAIT_S = 2.0  # how long a look at an orphaned CRIU waits for it to fork the tree's root
@@ -107,6 +109,10 @@ class InstanceRecord(Record):
         work = PurePosixPath(self.instance_dir)
         if work.name != self.id or not work.parent.name.endswith(".instances"):
             raise ValueError("instance_dir must be CONTROL_DIR.instances/<id>")
+        if self.url and not (URL.fullmatch(self.url) and self.url.isprintable()):
+            raise ValueError("url must be an http:// or https:// address of at most 1024 printable characters")
+        if self.gpu is not None and not GPUS.fullmatch(self.gpu):
+            raise ValueError("gpu must be GPU UUIDs, comma-separated")
 
     @property
     def pid(self) -> int:

@@ -35,6 +35,8 @@ MAX_BYTES = (1 << 63) - 1  # a size or byte count in the manifest (off_t's range
 CRIU_KEY = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # a CRIU external key (host.criu.options.external_mounts: m0, m1...)
 CAPTURED = "captured"  # Manifest.origin of an image made by `vsnap capture`
 # a GPU's UUID as host.cuda._format_uuid writes it (the CUDA restore's GPU map parses it back to 16 bytes)
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # the spec's name (spec/schema.py), the image's
+MAX_SHOWN = 1024  # the longest version, date, hostname, origin a manifest may hold: commands print them
 GPU_UUID = re.compile(r"GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 
@@ -127,6 +129,14 @@ class Manifest(_Frozen):
         """One GPU per rank, each named by its UUID; CRIU's keys plain words and the paths it is
         given plain absolute paths (they reach its command line), the model directory's too (a
         pull writes there); file names without NUL."""
+        if not NAME.fullmatch(self.name):
+            raise ValueError("name must be a spec's name: 1 to 64 of A-Z a-z 0-9 . _ -, first a letter or digit")
+        shown = {"vsnap_version": self.vsnap_version, "created_at": self.created_at, "engine": self.engine,
+                 "origin": self.origin, **{f"host.{k}": v for k, v in self.host.model_dump().items() if isinstance(v, str)}}
+        for what, value in shown.items():  # commands print them: one printable line, not a page
+            if len(value) > MAX_SHOWN or not value.isprintable():
+                raise ValueError(f"{what} must be at most {MAX_SHOWN} printable characters (no newline, no control "
+                                 "or invisible character)")
         for key in (self.control_mount_key, self.shm_mount_key, self.netns_key, *self.externals):
             if not CRIU_KEY.fullmatch(key):
                 raise ValueError("a CRIU external key must be 1 to 64 of A-Z a-z 0-9 _ . -")
@@ -210,7 +220,7 @@ def read_manifest(image_dir: Path) -> Manifest:
     except RecordError as exc:
         raise ImageFormatError(f"{path} is malformed ({exc.where}: {exc.msg})",
                                hint="the manifest was altered or truncated; capture again") from None
-    if manifest.protocol_version != PROTOCOL_VERSION:
+    if manifest.protocol_version != PROTOCOL_VERSION:  # (vsnap_version: printable and bounded, by _check)
         raise ImageIncompatible("vsnap", f"{manifest.vsnap_version} (engine protocol {manifest.protocol_version})",
                                 f"vsnap {__version__} (engine protocol {PROTOCOL_VERSION})")
     return manifest

@@ -154,13 +154,19 @@ class ImageBusy(ImageError):
         self.path = str(path)
 
 
+def _printable(text: str) -> str:
+    """``text`` with what it must not show as it is (str.isprintable) escaped as repr() would."""
+    return text if text.isprintable() else "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
 class ImageHostMismatch(ImageError):
     """Facts the image depends on differ on this host. Every one is named, each on its own line:
     the first on the error line when there is one, else a count there and one per line below."""
 
     def __init__(self, mismatches: Sequence[tuple[str, str, str]], *, hint: str = "") -> None:
         self.mismatches = list(mismatches)
-        lines = [f"{fact}: image has {rec!r}, host has {cur!r}" for fact, rec, cur in self.mismatches]
+        # the fact names a file (an image's dependency path): a newline in it must not make a line
+        lines = [f"{_printable(fact)}: image has {rec!r}, host has {cur!r}" for fact, rec, cur in self.mismatches]
         if len(lines) == 1:
             text = f"image does not fit this host: {lines[0]}"
         else:
