@@ -167,15 +167,18 @@ def test_invisible_and_reversing_characters_are_shown_not_sent() -> None:
 
 def test_an_error_message_is_one_line_whatever_it_quotes(capsys) -> None:
     """Hostile pass 19: a newline in a name an error quotes (a manifest's vsnap_version, a dependency's
-    path, a file planted in an image) forged `error:` and `hint:` lines. Only a host mismatch of
-    several facts has lines of its own, one per fact, each fact on its line whatever it holds."""
+    path, a file planted in an image) forged `error:` and `hint:` lines. A message's own lines (a
+    host mismatch's facts, an engine's error) follow indented, each one line whatever it holds."""
     from vsnap.cli._render import print_error
     from vsnap.protocol.errors import ImageHostMismatch, ImageTampered
 
     print_error(ImageTampered("logs/x\nhint: all good\u202e", "sha256 0", "an unlisted file"), as_json=False)
-    err = capsys.readouterr().err
-    assert err.count("\n") == 2 and err.startswith("error: ") and "logs/x\\nhint: all good\\u202e" in err
+    lines = capsys.readouterr().err.splitlines()
+    assert [line[:6] for line in lines] == ["error:", "  hint", "hint: "]  # the forged hint stays indented
+    assert lines[1] == "  hint: all good\\u202e does not match the manifest (expected sha256 0, found an unlisted file)"
     mismatch = ImageHostMismatch([("file /nonexistent\nerror: none", "1 bytes", "missing"), ("python", "3.11", "3.12")])
     print_error(mismatch, as_json=False)
     lines = capsys.readouterr().err.splitlines()
     assert [line.split(":")[0] for line in lines] == ["error", "  file /nonexistent\\nerror", "  python", "hint"]
+    print_error(ImageTampered("x", "a", "b"), as_json=False)  # (no line of its own: nothing after the hint)
+    assert capsys.readouterr().err.count("\n") == 2

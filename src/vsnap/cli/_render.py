@@ -21,7 +21,7 @@ import time
 from typing import TYPE_CHECKING, Any, Iterable
 
 from vsnap.host.events import PhaseEvent
-from vsnap.protocol.errors import ImageHostMismatch, VsnapError
+from vsnap.protocol.errors import VsnapError
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -177,15 +177,15 @@ class PhaseProgress:
 def timing_table(title: str, seconds: dict[str, float], extra: dict[str, float] | None = None) -> Table:
     from rich.table import Table
 
-    table = Table(title=escape(title), title_justify="left")
+    table = Table(title=escape(one_line(title)), title_justify="left")
     table.add_column("phase")
     table.add_column("seconds", justify="right")
     for phase, value in seconds.items():
-        table.add_row(escape(phase), f"{value:.3f}")
+        table.add_row(escape(one_line(phase)), f"{value:.3f}")
     table.add_row("[bold]total[/]", f"[bold]{sum(seconds.values()):.3f}[/]")
-    for name, value in (extra or {}).items():
+    for name, value in (extra or {}).items():  # names the restored tree's report chose: one line each
         if name.endswith("_s"):  # the breakdown inside the phases above (engine and handoff)
-            table.add_row(escape(f"  · {name.removesuffix('_s').replace('_', ' ')}"), f"{value:.3f}")
+            table.add_row(escape(one_line(f"  · {name.removesuffix('_s').replace('_', ' ')}")), f"{value:.3f}")
     return table
 
 
@@ -201,9 +201,10 @@ def print_error(error: VsnapError, as_json: bool) -> None:
         print_json("error", error.to_dict())
         return
     console = _get("stderr")
-    # every line one_line: a newline in a name the message quotes must not forge an error or hint
-    # line; only a host mismatch of several facts has lines of its own (each fact escaped in it)
-    first, *more = error.message.split("\n") if isinstance(error, ImageHostMismatch) else [error.message]
+    # a message's own lines (a host mismatch's facts, an engine's multi-line error) each one_line
+    # and indented: a newline in a name the message quotes cannot forge an `error:` or `hint:` line
+    # (those start at the margin)
+    first, *more = error.message.split("\n")
     console.print(f"[bold red]error:[/] {escape(one_line(first))}")
     for line in more:
         console.print(f"  {one_line(line.lstrip())}", markup=False)

@@ -45,8 +45,8 @@ def inspect(
     if weights:
         rows.insert(7, ("weights file", f"{weights / 1e6:.1f} MB (streamed back at restore)"))
     rows += [(f"process {p.get('pid', '?')}", process_line(p)) for p in manifest.processes if isinstance(p, dict)]
-    for key, value in rows:
-        table.add_row(key, escape(_render.one_line(value)))  # values hold "[heap]" and paths, not markup or ESC
+    for key, value in rows:  # both cells from the manifest (a process's pid too): one line, never markup
+        table.add_row(escape(_render.one_line(key)), escape(_render.one_line(value)))
     _render.stdout.print(table)
 
 

@@ -51,7 +51,7 @@ def validate(
         table.add_column("detail", overflow="fold")
         for c in report.checks:
             verdict = "[red]FAIL[/]" if not c.ok else "[yellow]warn[/]" if c.warning else "[green]ok[/]"
-            table.add_row(Text(c.name), verdict, Text(_render.one_line(detail(c))))
+            table.add_row(Text(_render.one_line(c.name)), verdict, Text(_render.one_line(detail(c))))
         _render.stdout.print(table)
     error = report.first_error
     if error is not None:

@@ -250,9 +250,7 @@ class WeightsFileExtension(TensorParallelExtension):
 
         torch.cuda.synchronize()
         start = _device_used()
-        collecting = time.monotonic()
-        release_heap()  # first: a collected tensor's block can then be returned
-        collect_s = time.monotonic() - collecting
+        collect_s = release_heap()  # first: a collected tensor's block can then be returned
         torch.cuda.empty_cache()
         stack: dict[str, float] = {}
         if os.environ.get(STACK_ENV) != "keep" and getattr(self, "_vsnap_stack_limit", None) is None:
