@@ -182,3 +182,22 @@ def test_an_error_message_is_one_line_whatever_it_quotes(capsys) -> None:
     assert [line.split(":")[0] for line in lines] == ["error", "  file /nonexistent\\nerror", "  python", "hint"]
     print_error(ImageTampered("x", "a", "b"), as_json=False)  # (no line of its own: nothing after the hint)
     assert capsys.readouterr().err.count("\n") == 2
+
+
+def test_inspect_shows_a_hostile_process_entry_as_text(tmp_path, monkeypatch) -> None:
+    """Hostile pass 19's review: a process entry's pid of "[/]" made `vsnap inspect` end in rich's
+    MarkupError, and one holding a newline forged a row of the table."""
+    from rich.console import Console
+    from typer.testing import CliRunner
+
+    from tests.unit.fake_image import make_image
+    from vsnap.cli import _render, app
+
+    image = make_image(tmp_path / "img", processes=[{"pid": "[/]", "command": "x"}, {"pid": "1\nforged row  fake"}])
+    out = io.StringIO()
+    monkeypatch.setattr(_render, "stdout", Console(file=out, width=200, color_system=None, soft_wrap=True))
+    result = CliRunner().invoke(app, ["inspect", str(image)])
+    assert result.exit_code == 0, result.output
+    text = out.getvalue()
+    assert "process [/]" in text and "process 1\\nforged row  fake" in text
+    assert not [line for line in text.splitlines() if line.lstrip().startswith("forged row")]
