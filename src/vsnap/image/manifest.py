@@ -34,9 +34,9 @@ MAX_MANIFEST_BYTES = 16 << 20
 MAX_BYTES = (1 << 63) - 1  # a size or byte count in the manifest (off_t's range)
 CRIU_KEY = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # a CRIU external key (host.criu.options.external_mounts: m0, m1...)
 CAPTURED = "captured"  # Manifest.origin of an image made by `vsnap capture`
-# a GPU's UUID as host.cuda._format_uuid writes it (the CUDA restore's GPU map parses it back to 16 bytes)
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # the spec's name (spec/schema.py), the image's
 MAX_SHOWN = 1024  # the longest version, date, hostname, origin a manifest may hold: commands print them
+# a GPU's UUID as host.cuda._format_uuid writes it (the CUDA restore's GPU map parses it back to 16 bytes)
 GPU_UUID = re.compile(r"GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 
