@@ -140,8 +140,10 @@ def is_vsnap_image(directory: Path) -> bool:
 
 IMAGE_OUTSIDE_IMAGES = "choose an image path (model.yaml's image, or --to) outside every image"
 CONTROL_OUTSIDE_IMAGES = "choose a snapshot.control_dir outside every image"
-# what vsnap stages an image in, beside it: a capture's, a publish's, a pull's, an interrupted rm's
-_IMAGE_WORK_DIR = re.compile(r"\..+\.(?:staging-[a-z0-9_]{8}|old-[0-9]+|pull-[0-9a-f]{16}|rm-[0-9a-f]{8})", re.DOTALL)
+# what a capture stages an image in beside it (make_staging's mkdtemp), and what its publish moves the old one to
+_STAGING_SUFFIX = r"\.staging-[a-z0-9_]{8}|\.old-[0-9]+"
+# every directory vsnap stages an image in, beside it: those, a pull's and an interrupted rm's
+_IMAGE_WORK_DIR = re.compile(rf"\..+(?:{_STAGING_SUFFIX}|\.pull-[0-9a-f]{{16}}|\.rm-[0-9a-f]{{8}})", re.DOTALL)
 
 
 def require_outside_images(path: Path, what: str, hint: str, *, itself: bool = False) -> None:
@@ -264,7 +266,7 @@ def remove_stale_staging(image_dir: Path) -> None:
 
     Only what vsnap makes: real directories, root's, private (mkdtemp's 0700). In a sticky parent
     such as /tmp another user can create `.NAME.staging-x` too, and that is not ours to delete."""
-    for leftover in leftovers(image_dir, r"\.staging-[a-z0-9_]{8}|\.old-[0-9]+"):  # mkdtemp's, publish's
+    for leftover in leftovers(image_dir, _STAGING_SUFFIX):
         try:
             st = os.lstat(leftover)
         except FileNotFoundError:
