@@ -289,28 +289,101 @@ def untrusted_file(path: Path, checked: set[Path] | None = None) -> str | None:
     return None
 
 
+MAX_MODEL_PATH = 4096  # a Dependency record's own limit (PATH_MAX)
+# Never a model's files: a clone's history (its config may hold a token), caches of tools beside it.
+# Left out of the dependencies and of `push --model`; still checked for trust like the rest.
+NOT_MODEL_FILES = frozenset({".git", ".hg", ".svn", ".cache"})
+# Pseudo file systems: a file there has no fixed bytes (/proc/self/pagemap reads 256 GiB)
+PSEUDO_ROOTS = ("/proc", "/sys", "/dev")
+
+
+def _link_roots(model_dir: Path) -> tuple[Path, ...]:
+    """Where a link in the real model directory may point: inside it, and for Hugging Face's cache
+    (models--ORG--NAME/snapshots/REV/F -> ../../blobs/SHA) inside that repository's blobs."""
+    if model_dir.parent.name == "snapshots":
+        return model_dir, model_dir.parent.parent / "blobs"
+    return (model_dir,)
+
+
+def _inside(path: Path, roots: tuple[Path, ...]) -> bool:
+    return any(path == root or root in path.parents for root in roots)
+
+
+SHAPE_HINT = "remove or replace it: vsnap loads, hashes and pushes only the model's own regular files"
+
+
+def _model_entry_problem(path: Path, roots: tuple[Path, ...], checked: set[Path], what: str) -> ImageUntrusted | None:
+    """Why one entry of a model directory is not something root may load, hash and push: a name
+    that is not UTF-8 or too long, not a regular file or a directory (a FIFO or device blocks or
+    never ends), a link someone else owns or that leads out of the model (push would send what it
+    points to: /etc/shadow), or a file that is not root's alone (untrusted_file)."""
+    def refuse(reason: str, hint: str = SHAPE_HINT) -> ImageUntrusted:
+        return ImageUntrusted(path, reason, hint=hint)
+    try:
+        os.fsencode(path).decode("utf-8")
+    except UnicodeDecodeError:
+        return refuse(f"is named in {what} directory with bytes that are not UTF-8")
+    if len(str(path)) > MAX_MODEL_PATH:
+        return refuse(f"is a path in {what} directory longer than {MAX_MODEL_PATH} characters")
+    try:
+        link = os.lstat(path)
+    except OSError as exc:
+        return refuse(f"in {what} directory cannot be read ({exc.strerror})")
+    mode = link.st_mode
+    if stat.S_ISLNK(mode):
+        if link.st_uid != os.geteuid():
+            return refuse(f"is a symlink owned by uid {link.st_uid} in {what} directory", MODEL_HINT)
+        real = Path(os.path.realpath(path))
+        if not _inside(real, roots):
+            return refuse(f"is a symlink out of {what} directory, to {real}")
+        try:
+            mode = os.stat(real).st_mode
+        except OSError as exc:
+            return refuse(f"is a symlink in {what} directory to {real}, which cannot be read ({exc.strerror})",
+                          "finish the download, or remove the link")
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        return refuse(f"in {what} directory is not a regular file or a directory (a FIFO, a device or a socket)")
+    problem = untrusted_file(path, checked)
+    return ImageUntrusted(path, f"a file of {what} is {problem}", hint=MODEL_HINT) if problem else None
+
+
 def require_trusted_model(model_dir: Path, what: str = "the model") -> Path:
     """The model directory as given (every component: a link among them must be root's), its real
-    directory, everything in it and what its links point to are root's alone. Returns the real
-    path, the one a capture records and the engine reopens (never one someone else can re-point).
+    directory, everything in it and what its links point to are root's alone, regular files or
+    directories, and links lead nowhere outside it (_model_entry_problem). Returns the real path,
+    the one a capture records and the engine reopens (never one someone else can re-point).
     ``what`` names it in the refusal (a LoRA adapter, a tokenizer: "the serve.tokenizer")."""
-    require_trusted_ancestors(Path(model_dir) / "x")  # model_dir itself too, by lstat
+    try:
+        require_trusted_ancestors(Path(model_dir) / "x")  # model_dir itself too, by lstat
+    except OSError as exc:
+        raise ImageUntrusted(model_dir, f"{what} directory cannot be read ({exc.strerror})", hint=MODEL_HINT) from None
     model_dir = Path(os.path.realpath(model_dir))
+    if _inside(model_dir, tuple(Path(root) for root in PSEUDO_ROOTS)):
+        raise ImageUntrusted(model_dir, f"{what} directory is under {', '.join(PSEUDO_ROOTS)}, whose files have "
+                             "no fixed bytes", hint="point it at a directory of model files")
     checked: set[Path] = set()
     problem = untrusted_file(model_dir, checked)
     if problem:
         raise ImageUntrusted(model_dir, f"{what} directory is {problem}", hint=MODEL_HINT)
+    roots = _link_roots(model_dir)
     for dirpath, dirnames, filenames in os.walk(model_dir, followlinks=False):
         for name in dirnames + filenames:
-            path = Path(dirpath) / name
-            link = os.lstat(path)
-            if stat.S_ISLNK(link.st_mode) and link.st_uid != os.geteuid():
-                raise ImageUntrusted(path, f"is a symlink owned by uid {link.st_uid} in {what} directory",
-                                     hint=MODEL_HINT)
-            problem = untrusted_file(path, checked)
-            if problem:
-                raise ImageUntrusted(path, f"a file of {what} is {problem}", hint=MODEL_HINT)
+            refusal = _model_entry_problem(Path(dirpath) / name, roots, checked, what)
+            if refusal:
+                raise refusal
     return model_dir
+
+
+def model_file_paths(model_dir: Path) -> list[Path]:
+    """The files of a trusted model directory (require_trusted_model) that are the model's: every
+    regular file, through root's links that stay inside it, but none under a directory named in
+    NOT_MODEL_FILES at its top (a clone's .git, a download tool's .cache)."""
+    files = []
+    for dirpath, dirnames, filenames in os.walk(model_dir, followlinks=False):
+        if Path(dirpath) == Path(model_dir):
+            dirnames[:] = [d for d in dirnames if d not in NOT_MODEL_FILES]
+        files += [Path(dirpath) / name for name in filenames if (Path(dirpath) / name).is_file()]
+    return sorted(files)
 
 
 FILE_HINT = ("the engine reads it as root: chown root and chmod go-w it (and the directories above it), or copy it "

@@ -32,7 +32,8 @@ from vsnap.host.netns import NETNS_KEY, netns_inode
 from vsnap.host.paths import require_runtime_dir, require_safe_directory
 from vsnap.host.proctree import LaunchedTree, is_same, mapped_and_open_files, open_device_files, tree_pids, wait_gone
 from vsnap.host.shm import SHM, tree_shm_files
-from vsnap.host.trust import copy_no_follow, make_trusted_dirs, require_trusted_ancestors, require_trusted_model
+from vsnap.host.trust import (copy_no_follow, make_trusted_dirs, model_file_paths, require_trusted_ancestors,
+                              require_trusted_model)
 from vsnap.image.manifest import (
     CRIU_DIR,
     DUMP_LOG,
@@ -338,7 +339,7 @@ def _dependencies(pids: list[int], model_dir: Path, control_dir: Path) -> list[D
     """Every host file the tree has mapped or open, and the model's files (reloaded at recover),
     with size and sha256: what another host must have, byte for byte, to restore this image."""
     paths = {p for p in mapped_and_open_files(pids) if not p.startswith(str(control_dir) + "/")}
-    paths |= {str(p) for p in model_dir.rglob("*") if p.is_file()}
+    paths |= {str(p) for p in model_file_paths(model_dir)}
     ordered = sorted(paths)
     statted_at = time.time_ns()
     before = {path: os.stat(path) for path in ordered}

@@ -174,15 +174,29 @@ def _model_json(path: Path) -> Any:
 
 
 def loaded_share(spec: ModelSpec, model_dir: Path | None) -> float:
-    """The weights' loaded bytes per stored byte: 1/2 for FP8 quantized at load, 1/2 for a float32
-    checkpoint that vLLM loads in 16 bits (dtype auto, or a 16-bit dtype), else 1."""
-    if quantized_at_load(spec, model_dir):
-        return 0.5
+    """The weights' loaded bytes per stored byte: 1/2 for a float32 checkpoint that vLLM loads in 16
+    bits (dtype auto, or a 16-bit dtype), 1/2 again for FP8 quantized at load, else 1."""
     config = _config(model_dir)
+    stored_32 = checkpoint_dtype(config) in ("float32", "float")
+    if quantized_at_load(spec, model_dir):
+        return 0.25 if stored_32 else 0.5
     dtype = str(given(spec.serve, "dtype")[1] or "auto").lower()
-    if config.get("torch_dtype") in ("float32", "float") and dtype not in ("float32", "float"):
+    if stored_32 and dtype not in ("float32", "float"):
         return 0.5
     return 1.0
+
+
+def checkpoint_dtype(config: dict[str, Any]) -> str | None:
+    """The dtype config.json gives the checkpoint, where transformers writes it: ``dtype`` (4.56 and
+    later), ``torch_dtype`` (before), at the top or in a multimodal model's ``text_config``. None
+    without one (vLLM then reads the tensors' own dtypes; the share is then counted as 1, an upper
+    bound)."""
+    for holder in (config, config.get("text_config")):
+        if isinstance(holder, dict):
+            for key in ("dtype", "torch_dtype"):
+                if isinstance(holder.get(key), str):
+                    return holder[key]
+    return None
 
 
 def _config(model_dir: Path | None) -> dict[str, Any]:

@@ -65,19 +65,23 @@ def _validate_spec(path: Path) -> ValidationReport:
         return report
     report.checks.append(Check("spec", True, f"{spec.name}: engine {spec.engine}, image {spec.image_dir}"))
     report.checks.extend(preflight(spec.engine))
+    model = run_check("model", lambda: (require_trusted_model(Path(spec.model)),  # type: ignore[arg-type]
+                                        f"{spec.model} is root's alone")[1]) if spec.model is not None else None
     if spec.engine == "vllm":
         from vsnap.spec.vllm_check import require_supported_args, vllm_version_check
 
         version = vllm_version_check()  # names the tested versions; a warning on any other
         report.checks += [version] if version is not None else []
-        report.checks.append(run_check("vllm arguments",
-                                       lambda: require_supported_args(spec, str(path), warn=None)))
+        if model is not None and not model.ok:  # vLLM would read the files of a model root must not trust
+            report.checks.append(Check("vllm arguments", True, "not checked: the model is refused below",
+                                       warning=True))
+        else:
+            report.checks.append(run_check("vllm arguments",
+                                           lambda: require_supported_args(spec, str(path), warn=None)))
     report.checks.append(run_check("image directory", lambda: (
         require_outside_images(spec.image_dir, "the image", IMAGE_OUTSIDE_IMAGES),
         require_trusted_ancestors(spec.image_dir), f"{spec.image_dir.parent} is root's alone (or will be made so)")[2]))
-    if spec.model is not None:
-        report.checks.append(run_check("model", lambda: (
-            require_trusted_model(Path(spec.model)), f"{spec.model} is root's alone")[1]))  # type: ignore[arg-type]
+    report.checks += [model] if model is not None else []
     report.checks.append(run_check("control directory", lambda: (
         require_outside_images(spec.control_dir, "the control directory", CONTROL_OUTSIDE_IMAGES, itself=True),
         require_trusted_ancestors(spec.control_dir), f"{spec.control_dir.parent} is root's alone (or will be made so)")[2]))

@@ -44,7 +44,7 @@ from pathlib import Path
 from vsnap.host import verified
 from vsnap.host.fs import RENAME_NOREPLACE, renameat2
 from vsnap.host.paths import DEFAULT_IMAGE_ROOT, RUNTIME_DIR, require_safe_directory
-from vsnap.host.trust import make_trusted_dirs, require_trusted_model
+from vsnap.host.trust import NOT_MODEL_FILES, make_trusted_dirs, require_trusted_model
 from vsnap.image.compat import dependency_mismatches
 from vsnap.image.manifest import Dependency, FileEntry, Manifest
 from vsnap.image.store import make_or_adopt_staging_dir, require_outside_images
@@ -76,6 +76,10 @@ def layers_to_push(manifest: Manifest) -> dict[str, tuple[Path, Layer]]:
         raise ImageError(f"the image records no sha256 for {model_dir}/{unhashed[0]}",
                          hint="capture the image again with this vsnap, or push it without --model")
     for rel in sorted(files):  # what a pull refuses as a title: refused here, before a byte is sent
+        if rel.split("/", 1)[0] in NOT_MODEL_FILES:  # images captured before vsnap left them out
+            raise ImageError(f"the image records {model_dir}/{shown(rel)}, not a file of the model (a clone's "
+                             "history or a tool's cache, which may hold credentials)",
+                             hint="capture the image again with this vsnap (it leaves them out), or push without --model")
         try:
             require_model_path(rel)
         except ImageUntrusted as exc:

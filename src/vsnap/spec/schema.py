@@ -313,6 +313,9 @@ def _state_dirs() -> list[tuple[str, str]]:
             ("cache of verified image files", str(VERIFIED_DIR))]
 
 
+MAX_CONFIG_BYTES = 4 << 20  # a model's config.json has a few KB; vLLM and transformers read it whole
+
+
 def _file_problems(data: Mapping[str, Any]) -> list[Problem]:
     """The files a spec names must exist before anything is launched."""
     model = _clean_abs(data.get("model"))
@@ -323,6 +326,10 @@ def _file_problems(data: Mapping[str, Any]) -> list[Problem]:
         return [Problem(("model",), ("model",), f"{path} does not exist")]
     if not path.is_dir() or not (path / "config.json").is_file():
         return [Problem(("model",), ("model",), f"{path} is not a model directory with config.json")]
+    size = (path / "config.json").stat().st_size  # vLLM reads it whole, before vsnap's own bounded reading
+    if size > MAX_CONFIG_BYTES:
+        return [Problem(("model",), ("model",), f"{path}/config.json has {size} bytes, over the "
+                                                 f"{MAX_CONFIG_BYTES >> 20} MiB a model's config may have")]
     return []
 
 

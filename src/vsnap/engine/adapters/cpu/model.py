@@ -36,7 +36,13 @@ from torch.nn import functional as F
 MODEL_TYPE = "vsnap-tiny-decoder"
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
+MAX_CONFIG_BYTES = 4 << 20
 BOS, EOS = 256, 257
+
+
+# the demo engine's model is small: these bound a config's sizes (at most ~2.1 GB of float32 weights)
+CONFIG_LIMITS = {"vocab_size": 65536, "d_model": 1024, "n_layers": 32, "n_heads": 64, "d_ff": 4096,
+                 "max_positions": 1 << 20, "seed": (1 << 63) - 1}
 
 
 @dataclass(frozen=True)
@@ -53,7 +59,15 @@ class TinyConfig:
     def from_dict(cls, data: dict[str, Any]) -> "TinyConfig":
         if data.get("model_type") != MODEL_TYPE:
             raise ValueError(f"config.json: model_type is {data.get('model_type')!r}, expected {MODEL_TYPE!r}")
-        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+        values = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
+        for key, value in values.items():  # a hostile config must not make the tree allocate without bound
+            if type(value) is not int or not 0 <= value <= CONFIG_LIMITS[key]:
+                raise ValueError(f"config.json: {key} must be an integer from 0 to {CONFIG_LIMITS[key]}")
+        config = cls(**values)
+        if min(config.vocab_size, config.d_model, config.n_layers, config.n_heads, config.d_ff) < 1 or (
+                config.d_model % config.n_heads):
+            raise ValueError("config.json: sizes must be at least 1, and d_model a multiple of n_heads")
+        return config
 
     def to_dict(self) -> dict[str, Any]:
         return {"model_type": MODEL_TYPE, "architectures": ["VsnapTinyDecoder"], **self.__dict__}
@@ -145,7 +159,12 @@ def write_model(directory: Path, cfg: TinyConfig = TinyConfig()) -> Path:
 
 
 def read_config(directory: Path) -> TinyConfig:
-    return TinyConfig.from_dict(json.loads((Path(directory) / CONFIG_FILE).read_text()))
+    path = Path(directory) / CONFIG_FILE
+    with open(path, "rb") as f:  # bounded: vsnap's validate refuses a bigger config.json
+        text = f.read(MAX_CONFIG_BYTES + 1)
+    if len(text) > MAX_CONFIG_BYTES:
+        raise ValueError(f"{path} has more than {MAX_CONFIG_BYTES} bytes")
+    return TinyConfig.from_dict(json.loads(text))
 
 
 def load_weights(model: TinyDecoder, directory: Path) -> int:

@@ -1,0 +1,136 @@
+"""A model directory as hostile input (hostile pass 20): what root loads, hashes and pushes of it.
+Each test fails on the code before the fix it names."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.unit.fake_image import manifest as fake_manifest
+from tests.unit.test_resources import spec
+from vsnap.engine.adapters.cpu.model import TinyConfig
+from vsnap.host.trust import model_file_paths, require_trusted_model
+from vsnap.image.manifest import Dependency, ImageLaunch
+from vsnap.image.store import sha256_file
+from vsnap.ops import resources
+from vsnap.protocol.errors import ImageError, ImageUntrusted, SpecError
+from vsnap.spec.schema import MAX_CONFIG_BYTES, load_spec
+
+
+def a_model(tmp_path: Path) -> Path:
+    directory = tmp_path / "model"
+    directory.mkdir(mode=0o755)
+    (directory / "config.json").write_text("{}")
+    (directory / "model.safetensors").write_bytes(b"\0" * 64)
+    return directory
+
+
+def test_a_root_link_out_of_the_model_is_refused_so_push_never_sends_its_target(tmp_path: Path) -> None:
+    # before: the link passed (its target, /etc/shadow, is root's) and push sent the target's bytes
+    directory = a_model(tmp_path)
+    (directory / "README.md").symlink_to("/etc/shadow")
+    with pytest.raises(ImageUntrusted, match="symlink out of the model directory, to /etc/shadow"):
+        require_trusted_model(directory)
+
+
+def test_a_link_inside_the_model_and_hugging_face_caches_links_to_its_blobs_are_kept(tmp_path: Path) -> None:
+    directory = a_model(tmp_path)
+    (directory / "alias.json").symlink_to("config.json")
+    require_trusted_model(directory)
+    repo = tmp_path / "hub" / "models--org--m"
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "snapshots" / "rev").mkdir(parents=True)
+    (repo / "blobs" / "abc").write_text("{}")
+    (repo / "snapshots" / "rev" / "config.json").symlink_to("../../blobs/abc")
+    assert require_trusted_model(repo / "snapshots" / "rev") == repo / "snapshots" / "rev"
+    (repo / "secret").write_text("x")  # beside the blobs, not among them
+    (repo / "snapshots" / "rev" / "s").symlink_to("../../secret")
+    with pytest.raises(ImageUntrusted, match="symlink out of"):
+        require_trusted_model(repo / "snapshots" / "rev")
+
+
+def test_a_link_to_a_pseudo_file_or_a_fifo_in_the_model_is_refused(tmp_path: Path) -> None:
+    # before: /proc/self/pagemap (256 GiB to read) and a FIFO shard passed; the capture hung
+    directory = a_model(tmp_path)
+    (directory / "README.md").symlink_to("/proc/self/pagemap")
+    with pytest.raises(ImageUntrusted, match="symlink out of"):
+        require_trusted_model(directory)
+    (directory / "README.md").unlink()
+    os.mkfifo(directory / "model-00002-of-00002.safetensors")
+    with pytest.raises(ImageUntrusted, match="not a regular file or a directory"):
+        require_trusted_model(directory)
+    with pytest.raises(ImageUntrusted, match="no fixed bytes"):
+        require_trusted_model(Path("/proc/self"))
+
+
+def test_a_name_that_is_not_utf8_and_a_dangling_link_are_one_line_refusals(tmp_path: Path) -> None:
+    # before: a non-UTF-8 name passed the preflight and crashed the capture after the boot
+    directory = a_model(tmp_path)
+    bad = os.fsencode(directory) + b"/notes-\xff.txt"
+    with open(bad, "wb"):
+        pass
+    with pytest.raises(ImageUntrusted, match="not UTF-8"):
+        require_trusted_model(directory)
+    os.unlink(bad)
+    (directory / "tokenizer.json").symlink_to("missing-blob")
+    with pytest.raises(ImageUntrusted, match="cannot be read") as refused:
+        require_trusted_model(directory)
+    assert refused.value.hint == "finish the download, or remove the link"
+
+
+def test_a_clones_history_and_a_tools_cache_are_not_files_of_the_model(tmp_path: Path) -> None:
+    # before: all of .git (its config may hold a token) was a dependency and pushed
+    directory = a_model(tmp_path)
+    for hidden in (".git/config", ".cache/huggingface/x.lock", "sub/.git/kept"):
+        (directory / hidden).parent.mkdir(parents=True, exist_ok=True)
+        (directory / hidden).write_text("x")
+    require_trusted_model(directory)
+    assert [p.relative_to(directory).as_posix() for p in model_file_paths(directory)] == [
+        "config.json", "model.safetensors", "sub/.git/kept"]
+
+
+def test_a_push_of_an_image_that_recorded_a_clones_history_is_refused() -> None:
+    from vsnap.registry.model_files import layers_to_push
+
+    launch = ImageLaunch(**{**fake_manifest().launch.model_dump(), "model": "/nonexistent-model"})
+    doc = fake_manifest(launch=launch, dependencies=[Dependency(path="/nonexistent-model/.git/config", size=1,
+                                                                sha256="0" * 64)])
+    with pytest.raises(ImageError, match="not a file of the model"):
+        layers_to_push(doc)
+
+
+def test_a_file_that_holds_more_than_its_size_is_not_hashed_for_ever() -> None:
+    # before: a size-0 pseudo file was read to its end (pagemap: 256 GiB)
+    with pytest.raises(ImageError, match="grew while it was hashed"):
+        sha256_file(Path("/proc/self/status"))
+
+
+@pytest.mark.parametrize("key", ["dtype", "torch_dtype"])
+def test_a_float32_checkpoint_counts_as_loaded_in_16_bits_whichever_key_names_it(tmp_path: Path, key: str) -> None:
+    # before: only torch_dtype was read; transformers 4.56+ writes dtype, and the share was 1
+    directory = a_model(tmp_path)
+    (directory / "config.json").write_text(json.dumps({key: "float32"}))
+    assert resources.loaded_share(spec(tmp_path), directory) == 0.5
+    assert resources.loaded_share(spec(tmp_path, quantization="fp8"), directory) == 0.25
+    (directory / "config.json").write_text(json.dumps({"text_config": {key: "float32"}}))
+    assert resources.loaded_share(spec(tmp_path), directory) == 0.5
+
+
+def test_a_giant_config_is_refused_before_vllm_reads_it(tmp_path: Path) -> None:
+    # before: vLLM's parser read a 2 GB sparse config.json whole (4.8 GB of memory) before any check
+    directory = a_model(tmp_path)
+    with open(directory / "config.json", "r+b") as f:
+        f.truncate(MAX_CONFIG_BYTES + 1)
+    path = tmp_path / "m.yaml"
+    path.write_text(f"name: m\nengine: vllm\nmodel: {directory}\nimage: {tmp_path}/img\n")
+    with pytest.raises(SpecError, match="config.json has 4194305 bytes, over the 4 MiB"):
+        load_spec(path)
+
+
+@pytest.mark.parametrize("bad", [{"n_layers": 10**9}, {"d_model": True}, {"vocab_size": 0}, {"d_model": 250}])
+def test_the_demo_engine_refuses_a_config_that_would_allocate_without_bound(bad: dict[str, object]) -> None:
+    with pytest.raises(ValueError, match="config.json"):
+        TinyConfig.from_dict({"model_type": "vsnap-tiny-decoder", **bad})
