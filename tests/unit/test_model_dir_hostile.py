@@ -134,3 +134,100 @@ def test_a_giant_config_is_refused_before_vllm_reads_it(tmp_path: Path) -> None:
 def test_the_demo_engine_refuses_a_config_that_would_allocate_without_bound(bad: dict[str, object]) -> None:
     with pytest.raises(ValueError, match="config.json"):
         TinyConfig.from_dict({"model_type": "vsnap-tiny-decoder", **bad})
+
+
+def test_a_link_chain_through_another_users_link_is_refused(tmp_path: Path) -> None:
+    # before: only the first link and the final file were checked; uid 1000 could re-point the middle
+    directory = a_model(tmp_path)
+    middle = tmp_path / "l3"
+    middle.symlink_to(directory / "config.json")
+    os.lchown(middle, 1000, 1000)
+    (directory / "README.md").symlink_to(middle)
+    with pytest.raises(ImageUntrusted, match="leads through a link root does not own"):
+        require_trusted_model(directory)
+
+
+def hub_repository(tmp_path: Path) -> Path:
+    repo = tmp_path / "hub" / "models--org--m"
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "snapshots" / "rev" / "tokenizer").mkdir(parents=True)
+    for name in ("a" * 64, "b" * 40):
+        (repo / "blobs" / name).write_text("{}")
+    (repo / "snapshots" / "rev" / "config.json").symlink_to(f"../../blobs/{'a' * 64}")
+    (repo / "snapshots" / "rev" / "tokenizer" / "tokenizer.json").symlink_to(f"../../../blobs/{'b' * 40}")
+    return repo
+
+
+def test_hugging_face_layouts_pass_a_subfolder_and_an_old_local_dir_too(tmp_path: Path) -> None:
+    repo = hub_repository(tmp_path)
+    require_trusted_model(repo / "snapshots" / "rev" / "tokenizer", "the serve.tokenizer")  # before: refused
+    local = a_model(tmp_path)  # huggingface_hub 0.17 to 0.22: --local-dir links into the cache's blobs
+    (local / "tokenizer.json").symlink_to(repo / "blobs" / ("a" * 64))
+    require_trusted_model(local)
+    (repo / "blobs" / "notes").write_text("x")  # in blobs/, but not a blob's name
+    (local / "notes").symlink_to(repo / "blobs" / "notes")
+    with pytest.raises(ImageUntrusted, match="symlink out of"):
+        require_trusted_model(local)
+
+
+def test_a_link_to_a_directory_outside_is_refused_even_into_blobs(tmp_path: Path) -> None:
+    # before: a linked directory in blobs/ was never walked, so nothing under it was checked
+    repo = hub_repository(tmp_path)
+    (repo / "blobs" / "dd").mkdir()
+    (repo / "blobs" / "dd" / "x").symlink_to("/etc/shadow")
+    (repo / "snapshots" / "rev" / "d").symlink_to("../../blobs/dd")
+    with pytest.raises(ImageUntrusted, match="to the directory"):
+        require_trusted_model(repo / "snapshots" / "rev")
+
+
+def test_a_model_in_dev_shm_is_refused_for_what_it_is() -> None:
+    shm = Path("/dev/shm") / f"vsnap-test-model-{os.getpid()}"
+    shm.mkdir()
+    try:
+        with pytest.raises(ImageUntrusted, match="each engine tree replaces with its own"):
+            require_trusted_model(shm)
+    finally:
+        shm.rmdir()
+
+
+def test_a_top_level_git_file_is_not_a_model_file_and_a_pull_leaves_a_cache_alone(tmp_path: Path) -> None:
+    from vsnap.registry.model_files import _require_only_model
+
+    directory = a_model(tmp_path)
+    (directory / ".git").write_text("gitdir: ../.git/modules/m\n")  # a submodule's
+    assert ".git" not in [p.name for p in model_file_paths(directory)]
+    # a node where `huggingface-cli download --local-dir` ran: before, the pull refused its .cache
+    (directory / ".cache" / "huggingface").mkdir(parents=True)
+    wanted = {rel: Dependency(path=f"{directory}/{rel}", size=1, sha256="0" * 64)
+              for rel in ("config.json", "model.safetensors", ".git")}
+    _require_only_model(directory, wanted)
+    (directory / "stranger").write_text("x")
+    with pytest.raises(Exception, match="not a file of the image's model"):
+        _require_only_model(directory, wanted)
+
+
+def test_the_capture_records_the_model_files_alone_and_hashes_what_it_statted(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from vsnap.ops import capture
+
+    monkeypatch.setattr(capture.verified, "remember_dependencies", lambda *a, **k: None)
+    directory = a_model(tmp_path)
+    (directory / ".git").mkdir()
+    (directory / ".git" / "config").write_text("[remote] url = https://user:hf_SECRET@hf.co/m\n")
+    recorded = capture._dependencies([], directory, tmp_path / "control")
+    assert [Path(d.path).name for d in recorded] == ["config.json", "model.safetensors"]
+    with pytest.raises(ImageError, match="changed while vsnap read it"):
+        sha256_file(directory / "config.json", size=3)
+
+
+def test_validate_does_not_hand_a_refused_model_to_vllms_parser(tmp_path: Path) -> None:
+    from vsnap.ops.validate import _validate_spec
+
+    directory = a_model(tmp_path)
+    (directory / "README.md").symlink_to("/etc/shadow")
+    path = tmp_path / "m.yaml"
+    path.write_text(f"name: m\nengine: vllm\nmodel: {directory}\nimage: {tmp_path}/img\n"
+                    f"snapshot:\n  control_dir: {tmp_path}/control\n")
+    rows = {check.name: check for check in _validate_spec(path).checks}
+    assert not rows["model"].ok and "symlink out of" in rows["model"].detail
+    assert rows["vllm arguments"].detail == "not checked: the model is refused below"

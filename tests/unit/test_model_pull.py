@@ -416,8 +416,8 @@ def test_a_model_is_pulled_beside_the_same_image_and_never_over_another(
 def hf_cache_model(tmp_path: Path) -> tuple[Path, Path, bytes]:
     """A model directory of Hugging Face's cache: snapshots/REV/config.json -> ../../blobs/SHA."""
     data = b'{"model_type": "llama"}'
-    blobs = tmp_path / "hub" / "blobs"
-    snapshot = tmp_path / "hub" / "snapshots" / "rev"
+    blobs = tmp_path / "hub" / "models--org--m" / "blobs"
+    snapshot = tmp_path / "hub" / "models--org--m" / "snapshots" / "rev"
     blobs.mkdir(parents=True)
     snapshot.mkdir(parents=True)
     blob = blobs / hashlib.sha256(data).hexdigest()

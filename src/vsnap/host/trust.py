@@ -298,15 +298,36 @@ PSEUDO_ROOTS = ("/proc", "/sys", "/dev")
 
 
 def _link_roots(model_dir: Path) -> tuple[Path, ...]:
-    """Where a link in the real model directory may point: inside it, and for Hugging Face's cache
-    (models--ORG--NAME/snapshots/REV/F -> ../../blobs/SHA) inside that repository's blobs."""
-    if model_dir.parent.name == "snapshots":
-        return model_dir, model_dir.parent.parent / "blobs"
+    """Where a link in the real model directory may point: inside it, and for a folder of Hugging
+    Face's cache (models--ORG--NAME/snapshots/REV/[SUB/]F -> ../../blobs/SHA) into that repository's
+    blobs."""
+    for folder in (model_dir, *model_dir.parents):
+        repository = folder.parent.parent
+        if folder.parent.name == "snapshots" and repository.name.startswith(("models--", "datasets--")):
+            return model_dir, repository / "blobs"
     return (model_dir,)
+
+
+def _is_hub_blob(real: Path) -> bool:
+    """A file of Hugging Face's cache (models--ORG--NAME/blobs/SHA): where huggingface_hub 0.17 to
+    0.22's `download --local-dir` links a model's files by default."""
+    return (real.parent.name == "blobs" and real.parent.parent.name.startswith("models--")
+            and len(real.name) in (40, 64) and all(c in "0123456789abcdef" for c in real.name))
 
 
 def _inside(path: Path, roots: tuple[Path, ...]) -> bool:
     return any(path == root or root in path.parents for root in roots)
+
+
+def _resolve_through_roots_links(path: Path) -> tuple[Path, os.stat_result]:
+    """Where ``path`` leads and what is there, every link on the way root's (a link of another
+    user's in the middle of a chain could be re-pointed after the check): walked one component at
+    a time through fds (open_following_only_roots_links). ImageUntrusted or OSError."""
+    fd = open_following_only_roots_links(path, os.O_PATH)
+    try:
+        return Path(os.readlink(f"/proc/self/fd/{fd}")), os.fstat(fd)
+    finally:
+        os.close(fd)
 
 
 SHAPE_HINT = "remove or replace it: vsnap loads, hashes and pushes only the model's own regular files"
@@ -333,14 +354,19 @@ def _model_entry_problem(path: Path, roots: tuple[Path, ...], checked: set[Path]
     if stat.S_ISLNK(mode):
         if link.st_uid != os.geteuid():
             return refuse(f"is a symlink owned by uid {link.st_uid} in {what} directory", MODEL_HINT)
-        real = Path(os.path.realpath(path))
-        if not _inside(real, roots):
-            return refuse(f"is a symlink out of {what} directory, to {real}")
         try:
-            mode = os.stat(real).st_mode
+            real, target = _resolve_through_roots_links(path)
+        except ImageUntrusted as exc:
+            return refuse(f"is a symlink in {what} directory that leads through a link root does not own "
+                          f"({exc.reason})", MODEL_HINT)
         except OSError as exc:
-            return refuse(f"is a symlink in {what} directory to {real}, which cannot be read ({exc.strerror})",
-                          "finish the download, or remove the link")
+            return refuse(f"is a symlink in {what} directory to {os.path.realpath(path)}, which cannot be read "
+                          f"({exc.strerror})", "finish the download, or remove the link")
+        mode = target.st_mode
+        if stat.S_ISDIR(mode) and not _inside(real, roots[:1]):  # never walked: nothing under it is checked
+            return refuse(f"is a symlink out of {what} directory, to the directory {real}")
+        if not (_inside(real, roots) or _is_hub_blob(real)):
+            return refuse(f"is a symlink out of {what} directory, to {real}")
     if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
         return refuse(f"in {what} directory is not a regular file or a directory (a FIFO, a device or a socket)")
     problem = untrusted_file(path, checked)
@@ -358,6 +384,10 @@ def require_trusted_model(model_dir: Path, what: str = "the model") -> Path:
     except OSError as exc:
         raise ImageUntrusted(model_dir, f"{what} directory cannot be read ({exc.strerror})", hint=MODEL_HINT) from None
     model_dir = Path(os.path.realpath(model_dir))
+    if _inside(model_dir, (Path("/dev/shm"),)):
+        raise ImageUntrusted(model_dir, f"{what} directory is in /dev/shm, which each engine tree replaces with "
+                             "its own: the engine would not see it", hint="put it in a tmpfs mounted elsewhere "
+                             "(mount -t tmpfs -o size=SIZE,huge=always none /mnt/models)")
     if _inside(model_dir, tuple(Path(root) for root in PSEUDO_ROOTS)):
         raise ImageUntrusted(model_dir, f"{what} directory is under {', '.join(PSEUDO_ROOTS)}, whose files have "
                              "no fixed bytes", hint="point it at a directory of model files")
@@ -376,12 +406,13 @@ def require_trusted_model(model_dir: Path, what: str = "the model") -> Path:
 
 def model_file_paths(model_dir: Path) -> list[Path]:
     """The files of a trusted model directory (require_trusted_model) that are the model's: every
-    regular file, through root's links that stay inside it, but none under a directory named in
-    NOT_MODEL_FILES at its top (a clone's .git, a download tool's .cache)."""
+    regular file, through root's links that stay inside it, but none named in NOT_MODEL_FILES at its
+    top, nor under such a directory (a clone's .git, a download tool's .cache)."""
     files = []
     for dirpath, dirnames, filenames in os.walk(model_dir, followlinks=False):
-        if Path(dirpath) == Path(model_dir):
+        if Path(dirpath) == Path(model_dir):  # a submodule's or worktree's .git is a file
             dirnames[:] = [d for d in dirnames if d not in NOT_MODEL_FILES]
+            filenames = [f for f in filenames if f not in NOT_MODEL_FILES]
         files += [Path(dirpath) / name for name in filenames if (Path(dirpath) / name).is_file()]
     return sorted(files)
 

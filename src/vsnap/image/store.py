@@ -44,23 +44,28 @@ PIECE = 64 << 20
 HASH_THREADS = min(16, os.cpu_count() or 2)
 
 
-def sha256_file(path: Path) -> str:
+def sha256_file(path: Path, size: int | None = None) -> str:
     """sha256 of a regular file (opened without blocking, so a FIFO or device put in its place is
     refused rather than read forever), refused if it holds more than its size said when opened (a
-    file that grows while hashed, or a pseudo file of size 0 whose reading never ends)."""
+    file that grows while hashed, or a pseudo file of size 0 whose reading never ends), or if that
+    size is not ``size`` (the size recorded beside the digest)."""
     digest = hashlib.sha256()
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     with open(fd, "rb", buffering=0) as f:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise ImageError(f"{path} is not a regular file; vsnap hashes only regular files")
+        if size is not None and st.st_size != size:
+            raise ImageError(f"{path} changed while vsnap read it ({st.st_size} bytes, {size} a moment before)",
+                             hint="let whatever writes it finish, then try again")
         left = st.st_size
         while left > 0 and (chunk := f.read(min(CHUNK, left))):
             digest.update(chunk)
             left -= len(chunk)
         if f.read(1):
             raise ImageError(f"{path} grew while it was hashed (more than its {st.st_size} bytes)",
-                             hint="let whatever writes it finish, then try again")
+                             hint="let whatever writes it finish, then try again; a file whose size says 0 but "
+                                  "that has bytes (a pseudo file) cannot be a dependency")
     return digest.hexdigest()
 
 

@@ -344,7 +344,7 @@ def _dependencies(pids: list[int], model_dir: Path, control_dir: Path) -> list[D
     statted_at = time.time_ns()
     before = {path: os.stat(path) for path in ordered}
     with ThreadPoolExecutor(max_workers=HASH_THREADS) as pool:
-        digests = list(pool.map(lambda path: sha256_file(Path(path)), ordered))
+        digests = list(pool.map(lambda path: sha256_file(Path(path), before[path].st_size), ordered))
     # a restore on this host compares the sha256 of each without reading it again (host.verified)
     verified.remember_dependencies({path: (before[path], digest) for path, digest in zip(ordered, digests)},
                                    statted_at_ns=statted_at)

@@ -285,6 +285,10 @@ def _require_only_model(model_dir: Path, wanted: dict[str, Dependency]) -> None:
             if rel in on_the_way:
                 raise HostNotReady("model", f"{model_dir / shown(rel)} stands where the image's model has a "
                                             "directory and is not one", hint=KEEP_HINT)
+            if where == "." and name in NOT_MODEL_FILES and not os.path.islink(Path(dirpath) / name):
+                if name in dirnames:  # a clone's history, a download tool's cache: never written by a pull
+                    dirnames.remove(name)
+                continue
             if rel in wanted or (where == "." and _STAGING.fullmatch(name)):
                 if name in dirnames:
                     dirnames.remove(name)  # a staging directory, or a model file that is a directory (refused later)

@@ -40,9 +40,10 @@ MAX_CONFIG_BYTES = 4 << 20
 BOS, EOS = 256, 257
 
 
-# the demo engine's model is small: these bound a config's sizes (at most ~2.1 GB of float32 weights)
+# the demo engine's model is small: these bound a config's sizes (at most ~1.6 G parameters, ~6.4 GB
+# of float32 weights; its max_model_len is at most 4096)
 CONFIG_LIMITS = {"vocab_size": 65536, "d_model": 1024, "n_layers": 32, "n_heads": 64, "d_ff": 4096,
-                 "max_positions": 1 << 20, "seed": (1 << 63) - 1}
+                 "max_positions": 65536, "seed": (1 << 63) - 1}
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,8 @@ class TinyConfig:
             if type(value) is not int or not 0 <= value <= CONFIG_LIMITS[key]:
                 raise ValueError(f"config.json: {key} must be an integer from 0 to {CONFIG_LIMITS[key]}")
         config = cls(**values)
-        if min(config.vocab_size, config.d_model, config.n_layers, config.n_heads, config.d_ff) < 1 or (
+        if min(config.vocab_size, config.d_model, config.n_layers, config.n_heads, config.d_ff,
+               config.max_positions) < 1 or (
                 config.d_model % config.n_heads):
             raise ValueError("config.json: sizes must be at least 1, and d_model a multiple of n_heads")
         return config
