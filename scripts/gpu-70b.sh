@@ -6,7 +6,9 @@
 # to the first completion, against vLLM's cold start, with outputs and throughput compared.
 # The whole does not fit in one 600 s call: a few steps per call, back to back (the machine keeps
 # /tmp and the tmpfs ~30 s after a call), each call carrying .carry/vllm-parts-00 and .carry/criu.
-# Two calls: STEP="model cold" (~340 s), then STEP="capture restore report" (~370 s). One step:
+# Two calls: STEP="model cold" (~340 s), then STEP="capture restore report" (~370 s). Short of device
+# time: STEP="model capture" (~450 s: the capture's boot compiles), then STEP="restore report"
+# (~100 s): the record then says the cold start was not measured. One step:
 #
 #   STEP=model   bash scripts/gpu-70b.sh   # mount the tmpfs, write the model (~60 to 90 s)
 #   STEP=cold    bash scripts/gpu-70b.sh   # vLLM's cold start, fully cold (~250 s), outputs, throughput

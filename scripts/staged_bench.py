@@ -29,6 +29,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -123,41 +124,56 @@ def step_restore(spec: ModelSpec, state: Path, runs: int) -> dict[str, Any]:
     return restores
 
 
+def gpu_name() -> str | None:
+    """The GPU the record was measured on (nvidia-smi's name), None without one."""
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip().splitlines()[0] if done.returncode == 0 and done.stdout.strip() else None
+
+
 def step_report(spec: ModelSpec, state: Path, out: Path) -> str:
     cold, captured, restored = load(state, "cold"), load(state, "capture"), load(state, "restore")
-    if not cold or not captured or not restored:
-        sys.exit("report needs the cold, capture and restore steps' results in the state directory")
-    first_cold, first_restore = cold["runs"][0], restored["runs"][0]
+    if not captured or not restored:
+        sys.exit("report needs the capture and restore steps' results in the state directory")
+    cold = cold or {"runs": []}  # a run without the cold step (device time ran short): said in the record
+    first_cold, first_restore = (cold["runs"] or [None])[0], restored["runs"][0]
     seconds = [r["seconds"] for r in restored["runs"]]
-    outputs = compare_outputs(first_cold["outputs"], first_restore["outputs"])
-    cold_tps = first_cold["throughput"]["tokens_per_s"]
+    outputs = compare_outputs(first_cold["outputs"], first_restore["outputs"]) if first_cold else None
+    cold_tps = first_cold["throughput"]["tokens_per_s"] if first_cold else None
     restored_tps = first_restore["throughput"]["tokens_per_s"]
     record = {
         "name": spec.name, "date": dt.date.today().isoformat(), "engine": spec.engine, "model": spec.model,
-        "serve": dict(spec.serve), "cold_s": [r["seconds"] for r in cold["runs"]],
+        "gpu": gpu_name(), "serve": dict(spec.serve), "cold_s": [r["seconds"] for r in cold["runs"]],
         "cold_fully_cold": [r["fully_cold"] for r in cold["runs"]], "capture": captured,
         "restore_s": seconds, "restore_median_s": statistics.median(seconds),
         "phases_median": median_phases([r["phases"] for r in restored["runs"]]),
-        "outputs": outputs, "throughput": {"cold": first_cold["throughput"], "restored": first_restore["throughput"],
+        "outputs": outputs, "throughput": {"cold": first_cold["throughput"] if first_cold else None,
+                                           "restored": first_restore["throughput"],
                                            "restored_over_cold": restored_tps / cold_tps if cold_tps else None},
         "engine_notes": {"capture": captured["engine_notes"], "restore": first_restore.get("engine_notes", [])},
     }
     out.mkdir(parents=True, exist_ok=True)
     stem = f"staged-bench-{spec.name}-{record['date']}"
     (out / f"{stem}.json").write_text(json.dumps(record, indent=1) + "\n")
-    lines = [f"# staged bench: {spec.name} ({record['date']})", "",
+    lines = [f"# staged bench: {spec.name} on {record['gpu'] or 'CPU'} ({record['date']})", "",
              "| measure | value |", "|---|---|",
              *(f"| cold start to first completion #{n + 1}{' (fully cold)' if f else ''} | {s:.2f} s |"
                for n, (s, f) in enumerate(zip(record["cold_s"], record["cold_fully_cold"]))),
+             *([] if first_cold else ["| cold start | not measured in this run (no cold step) |"]),
              f"| capture | {captured['seconds']:.1f} s, image {captured['image_bytes'] / 1e9:.2f} GB"
              f"{' (weights by reference)' if captured['by_reference'] else ''} |",
              f"| restore to first completion | median **{record['restore_median_s']:.2f} s** "
              f"({', '.join(f'{s:.2f}' for s in seconds)}) |",
-             f"| speedup over the first cold start | {record['cold_s'][0] / record['restore_median_s']:.1f}x |",
-             f"| outputs, {outputs['prompts']} prompts x their tokens | {outputs['mismatched_prompts']} differ, largest "
-             f"logprob difference {outputs['max_logprob_diff']:.3g} |",
-             f"| throughput (64 x 64 tokens, 32 in flight) | cold {cold_tps:.0f} tok/s, restored {restored_tps:.0f} "
-             f"tok/s ({record['throughput']['restored_over_cold'] or 0:.3f}) |", "",
+             *([f"| speedup over the first cold start | {record['cold_s'][0] / record['restore_median_s']:.1f}x |",
+                f"| outputs, {outputs['prompts']} prompts x their tokens | {outputs['mismatched_prompts']} differ, "
+                f"largest logprob difference {outputs['max_logprob_diff']:.3g} |",
+                f"| throughput (64 x 64 tokens, 32 in flight) | cold {cold_tps:.0f} tok/s, restored "
+                f"{restored_tps:.0f} tok/s ({record['throughput']['restored_over_cold'] or 0:.3f}) |"]
+               if first_cold and outputs else
+               [f"| throughput after restore (64 x 64 tokens, 32 in flight) | {restored_tps:.0f} tok/s |"]), "",
              "Restore phases (median): " + ", ".join(f"{k} {v:.2f} s" for k, v in record["phases_median"].items()
                                                     if isinstance(v, (int, float))), ""]
     text = "\n".join(lines)
