@@ -90,6 +90,7 @@ def step_cold(spec: ModelSpec, state: Path) -> dict[str, Any]:
 
 
 def step_capture(spec: ModelSpec, state: Path) -> dict[str, Any]:
+    (state / "cache").mkdir(mode=0o700, exist_ok=True)  # as the cold step makes it (a run without one)
     started = time.monotonic()
     captured = capture_image(spec, force=True, env=cache_env(spec, state))
     data = {"seconds": time.monotonic() - started, "timings": captured.timings, "image_bytes": captured.image_bytes,
