@@ -79,7 +79,8 @@ def layers_to_push(manifest: Manifest) -> dict[str, tuple[Path, Layer]]:
         if rel.split("/", 1)[0] in NOT_MODEL_FILES:  # images captured before vsnap left them out
             raise ImageError(f"the image records {model_dir}/{shown(rel)}, not a file of the model (a clone's "
                              "history or a tool's cache, which may hold credentials)",
-                             hint="capture the image again with this vsnap (it leaves them out), or push without --model")
+                             hint="capture the image again with this vsnap (it leaves them out, unless the engine "
+                                  "held one open: then copy the model without them), or push without --model")
         try:
             require_model_path(rel)
         except ImageUntrusted as exc:
