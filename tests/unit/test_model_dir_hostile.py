@@ -231,3 +231,19 @@ def test_validate_does_not_hand_a_refused_model_to_vllms_parser(tmp_path: Path) 
     rows = {check.name: check for check in _validate_spec(path).checks}
     assert not rows["model"].ok and "symlink out of" in rows["model"].detail
     assert rows["vllm arguments"].detail == "not checked: the model is refused below"
+
+
+def test_a_path_in_the_model_longer_than_a_record_takes_is_a_one_line_refusal(tmp_path: Path) -> None:
+    # before: a raw ENAMETOOLONG from lstat, a traceback in validate
+    directory = a_model(tmp_path)
+    fd = os.open(directory, os.O_PATH)
+    try:
+        for _ in range(17):  # 17 x 256 characters: past 4096 whatever tmp_path is
+            os.mkdir("d" * 255, dir_fd=fd)
+            deeper = os.open("d" * 255, os.O_PATH, dir_fd=fd)
+            os.close(fd)
+            fd = deeper
+    finally:
+        os.close(fd)
+    with pytest.raises(ImageUntrusted, match="longer than 4096 characters"):
+        require_trusted_model(directory)

@@ -24,6 +24,7 @@ import stat
 from pathlib import Path, PurePosixPath
 from typing import Callable, Iterable
 
+from vsnap.host.paths import PATH_MAX
 from vsnap.protocol.errors import ImageUntrusted
 
 DIRECTORY_HINT = ("a directory vsnap reads from or writes into, and its parents, must be root's alone: "
@@ -289,7 +290,6 @@ def untrusted_file(path: Path, checked: set[Path] | None = None) -> str | None:
     return None
 
 
-MAX_MODEL_PATH = 4096  # a Dependency record's own limit (PATH_MAX)
 # Never a model's files: a clone's history (its config may hold a token), caches of tools beside it.
 # Left out of the dependencies and of `push --model`; still checked for trust like the rest.
 NOT_MODEL_FILES = frozenset({".git", ".hg", ".svn", ".cache"})
@@ -344,8 +344,8 @@ def _model_entry_problem(path: Path, roots: tuple[Path, ...], checked: set[Path]
         os.fsencode(path).decode("utf-8")
     except UnicodeDecodeError:
         return refuse(f"is named in {what} directory with bytes that are not UTF-8")
-    if len(str(path)) > MAX_MODEL_PATH:
-        return refuse(f"is a path in {what} directory longer than {MAX_MODEL_PATH} characters")
+    if len(str(path)) > PATH_MAX:  # a Dependency record's own limit
+        return refuse(f"is a path in {what} directory longer than {PATH_MAX} characters")
     try:
         link = os.lstat(path)
     except OSError as exc:
