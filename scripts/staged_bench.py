@@ -111,8 +111,11 @@ def step_restore(spec: ModelSpec, state: Path, runs: int) -> dict[str, Any]:
         try:
             first_token(doc["url"], spec.served_model_name)
             seconds = time.monotonic() - start
+            recovery = doc.get("recovery") or {}
             run: dict[str, Any] = {"seconds": seconds, "phases": cli_phases(doc), "instance": doc["instance"],
-                                   "weights_source": doc.get("weights_source")}
+                                   "weights_source": doc.get("weights_source"),
+                                   "oracle_max_abs_diff": recovery.get("oracle_max_abs_diff"),
+                                   "weights_gb_per_s": recovery.get("weights_gb_per_s")}
             if not restores["runs"]:
                 run.update(under_load(spec, doc["url"]))
                 run["engine_notes"] = engine_notes(Path(doc["engine_log"]))
@@ -151,6 +154,8 @@ def step_report(spec: ModelSpec, state: Path, out: Path) -> str:
         "cold_fully_cold": [r["fully_cold"] for r in cold["runs"]], "capture": captured,
         "restore_s": seconds, "restore_median_s": statistics.median(seconds),
         "phases_median": median_phases([r["phases"] for r in restored["runs"]]),
+        "oracle_max_abs_diff": [r.get("oracle_max_abs_diff") for r in restored["runs"]],
+        "weights_gb_per_s": [r.get("weights_gb_per_s") for r in restored["runs"]],
         "outputs": outputs, "throughput": {"cold": first_cold["throughput"] if first_cold else None,
                                            "restored": first_restore["throughput"],
                                            "restored_over_cold": restored_tps / cold_tps if cold_tps else None},
@@ -175,6 +180,9 @@ def step_report(spec: ModelSpec, state: Path, out: Path) -> str:
                 f"{restored_tps:.0f} tok/s ({record['throughput']['restored_over_cold'] or 0:.3f}) |"]
                if first_cold and outputs else
                [f"| throughput after restore (64 x 64 tokens, 32 in flight) | {restored_tps:.0f} tok/s |"]), "",
+             f"Oracle at each restore (3 prompts x 8 tokens, top-5), largest logprob difference: "
+             f"{', '.join('not recorded' if d is None else f'{d:.3g}' for d in record['oracle_max_abs_diff'])}; "
+             f"weights GB/s: {', '.join('?' if g is None else f'{g:.1f}' for g in record['weights_gb_per_s'])}.", "",
              "Restore phases (median): " + ", ".join(f"{k} {v:.2f} s" for k, v in record["phases_median"].items()
                                                     if isinstance(v, (int, float))), ""]
     text = "\n".join(lines)

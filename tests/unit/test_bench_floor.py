@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from vsnap.ops.bench.floor import restore_floor
-from vsnap.ops.bench.record import write_record
+from vsnap.ops.bench.record import cli_phases, write_record
 
 MB = 1_000_000
 
@@ -77,3 +77,13 @@ def test_markdown_says_where_the_weights_came_from(tmp_path: Path) -> None:
     assert "weights inside CRIU's pages (restored from: image memory)" in text
     text = write_record(record(16 * 10**9, 5e10), tmp_path, "gpu").read_text()
     assert "| floor (image read + weights to device) |" in text and "weights 16.00 GB read besides" in text
+
+
+def test_restore_phases_are_seconds_only() -> None:
+    """The engine's rate (GB/s) and the oracle's difference are not phases: a record printed
+    ``weights_gb_per_s 20.46 s`` among the seconds until session 18."""
+    doc = {"timings": {"criu restore": 0.48}, "cli_overhead_s": 0.2, "command_start_s": 0.19,
+           "recovery": {"weights_load_s": 3.58, "weights_gb_per_s": 20.46, "oracle_max_abs_diff": 0.0,
+                        "weights_bytes": 7.2e10, "verify_gpu_s": 0.06}}
+    assert cli_phases(doc) == {"criu restore": 0.48, "engine weights_load_s": 3.58, "verify_gpu_s": 0.06,
+                               "cli_overhead_s": 0.2, "cli_start_s": 0.19}

@@ -71,9 +71,11 @@ def engine_notes(log: Path, limit: int = 40) -> list[str]:
 
 
 def cli_phases(doc: dict[str, Any]) -> dict[str, float]:
-    """A `vsnap restore/activate --json` document's phases and the engine's own breakdown."""
+    """A `vsnap restore/activate --json` document's phases and the engine's own breakdown, in seconds
+    (the engine's rates, ``..._per_s``, are not seconds: they stay in its recovery document)."""
     return {**doc.get("timings", {}), **{k if k.startswith("verify_") else f"engine {k}": v
-                                         for k, v in (doc.get("recovery") or {}).items() if k.endswith("_s")},
+                                         for k, v in (doc.get("recovery") or {}).items()
+                                         if k.endswith("_s") and not k.endswith("_per_s")},
             "cli_overhead_s": doc["cli_overhead_s"], "cli_start_s": float(doc.get("command_start_s") or 0.0)}
 
 
