@@ -10,6 +10,8 @@ import io
 import json
 import os
 import struct
+import threading
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ from vsnap.engine.adapters.vllm.weights.references import (  # noqa: E402
     ModelFile,
     Plan,
     ReferenceMatcher,
+    _one_ahead,
     plan_file_name,
     write_by_reference,
 )
@@ -431,3 +434,52 @@ def test_the_reader_names_the_model_dir_and_rank_file_it_expects(checkpoint: dic
         Plan.from_json(text, model_dir="/elsewhere")
     with pytest.raises(ValueError, match="rank_file 'rank0.bin' is not rank1.bin"):
         Plan.from_json(text, rank_file="rank1.bin")
+
+
+def test_one_ahead_keeps_order_makes_the_next_beside_and_ends_its_thread() -> None:
+    """The save takes the next pool tensor (its copy from the GPU) on a helper thread while it
+    matches this one: items come in order, at most two exist at once, an item's error is raised in
+    its place, and no thread is left (the tree is checkpointed next)."""
+    class Item:
+        alive = 0
+
+        def __init__(self, n: int) -> None:
+            self.n, self.thread = n, threading.current_thread().name
+            Item.alive += 1
+            self.most = Item.alive
+            weakref.finalize(self, Item._gone)
+
+        @staticmethod
+        def _gone() -> None:
+            Item.alive -= 1
+
+    def made() -> Any:
+        for n in range(6):
+            yield Item(n)
+
+    seen = []
+    for item, waited in _one_ahead(made()):
+        assert waited >= 0 and item.thread.startswith("vsnap-host-copy") and item.most <= 2
+        seen.append(item.n)
+        del item
+    assert seen == list(range(6))
+    assert not [t for t in threading.enumerate() if t.name.startswith("vsnap-host-copy")]
+
+    def failing() -> Any:
+        yield 1
+        raise OSError("the copy failed")
+
+    got = []
+    with pytest.raises(OSError, match="the copy failed"):
+        for item, _ in _one_ahead(failing()):
+            got.append(item)
+    assert got == [1]
+    assert not [t for t in threading.enumerate() if t.name.startswith("vsnap-host-copy")]
+
+
+def test_the_save_says_where_its_time_went(checkpoint: dict[str, Any]) -> None:
+    spent: dict[str, float] = {}
+    tensors = [np.frombuffer(np.concatenate([checkpoint["q"], checkpoint["k"]]).tobytes(), dtype=np.uint8)]
+    plan = write_by_reference(io.BytesIO(), iter(tensors), str(checkpoint["dir"]), spent=spent)
+    assert plan.referenced_bytes > 0
+    assert set(spent) == {"host_copy_wait_s", "match_s", "write_s"} and all(v >= 0 for v in spent.values())

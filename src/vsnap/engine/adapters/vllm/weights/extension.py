@@ -63,6 +63,7 @@ class WeightsFileExtension(TensorParallelExtension):
         written beside the file as rank<N>.refs.json for the host and for people."""
         start = time.monotonic()
         named = pool_tensors(self._vsnap_model())
+        spent: dict[str, float] = {"find_tensors_s": time.monotonic() - start}
         if not named:
             raise RuntimeError("the weights are not in vLLM's sleep allocator (is sleep mode on?)")
         os.makedirs(directory, mode=0o700, exist_ok=True)
@@ -76,19 +77,24 @@ class WeightsFileExtension(TensorParallelExtension):
                 from .references import write_by_reference
 
                 plan = write_by_reference(f, (t.cpu().numpy() for _, t in named), model_dir,
-                                          parts=self._vsnap_tensor_parallel_size())
+                                          parts=self._vsnap_tensor_parallel_size(), spent=spent)
+            synced = time.monotonic()
             f.flush()
             os.fsync(f.fileno())
+            spent["fsync_s"] = time.monotonic() - synced
+        summed = time.monotonic()
         self._vsnap_layout = layout(named)
         self._vsnap_targets = [t for _, t in named]
         self._vsnap_sums = fingerprint(named)
         self._vsnap_plan = plan
+        spent["fingerprint_s"] = time.monotonic() - summed
         parameters = sum(1 for name, _ in named if not name.startswith("tensor@"))
         others = sorted(((t.numel(), name) for name, t in named if name.startswith("tensor@")), reverse=True)
         report: dict[str, Any] = {"weights_bytes": float(path.stat().st_size), "weights_save_s": time.monotonic() - start,
                                   "tensors": float(len(named)), "parameter_storages": float(parameters),
                                   "other_bytes": float(sum(n for n, _ in others)),
-                                  "largest_others": "; ".join(f"{name} {n / 1e6:.1f} MB" for n, name in others[:4])}
+                                  "largest_others": "; ".join(f"{name} {n / 1e6:.1f} MB" for n, name in others[:4]),
+                                  **{f"weights_save_{k}": v for k, v in spent.items()}}
         if plan is not None:
             self._vsnap_write_plan(directory, plan)
             report.update({"referenced_bytes": float(plan.referenced_bytes), "literal_bytes": float(plan.literal_bytes),

@@ -35,9 +35,11 @@ import json
 import mmap
 import os
 import stat
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, BinaryIO, Iterable
+from typing import Any, BinaryIO, Iterable, Iterator
 
 import numpy as np
 
@@ -422,18 +424,54 @@ class PlanBuilder:
         return Plan(model_dir, tuple(files[k] for k in used), extents, tuple(skipped))
 
 
-def write_by_reference(out: BinaryIO, tensors: Iterable[Any], model_dir: str, *, parts: int = 1) -> Plan:
+def write_by_reference(out: BinaryIO, tensors: Iterable[Any], model_dir: str, *, parts: int = 1,
+                       spent: dict[str, float] | None = None) -> Plan:
     """Match each pool tensor (host bytes, in pool order; taken one at a time from ``tensors``)
-    against the model directory's safetensors files and write its literal bytes to ``out``."""
+    against the model directory's safetensors files and write its literal bytes to ``out``.
+
+    The next tensor is taken from ``tensors`` on a helper thread while this one is matched (for a
+    worker, its copy from the GPU: both release the GIL), so at most two are in host memory at
+    once. ``spent``, if given, gets the seconds spent waiting for a tensor (``host_copy_wait_s``),
+    matching (``match_s``) and writing (``write_s``)."""
     builder = PlanBuilder()
+    waited = matched = written = 0.0
     with ReferenceMatcher(Path(model_dir), parts=parts) as matcher:
-        for tensor in tensors:
+        for tensor, wait_s in _one_ahead(tensors):
+            waited += wait_s
+            start = time.monotonic()
             data = np.ascontiguousarray(tensor).reshape(-1).view(np.uint8)
-            for lo, hi in builder.add(data.size, matcher.match(data)):
+            found = matcher.match(data)
+            middle = time.monotonic()
+            for lo, hi in builder.add(data.size, found):
                 out.write(memoryview(data[lo:hi]))
+            matched, written = matched + middle - start, written + time.monotonic() - middle
+            del tensor, data  # before the one after next is made: two in host memory at most
         plan = builder.plan(model_dir, matcher.files, matcher.skipped)
     plan.check()
+    if spent is not None:
+        spent.update(host_copy_wait_s=waited, match_s=matched, write_s=written)
     return plan
+
+
+def _one_ahead(items: Iterable[Any]) -> Iterator[tuple[Any, float]]:
+    """``items`` in order, each with the seconds the caller waited for it; the next one is made on
+    one helper thread while the caller works on this one. The thread is gone when this returns or
+    raises (an item's exception is raised here, in order)."""
+    source = iter(items)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="vsnap-host-copy") as helper:
+        pending = helper.submit(next, source, _END)
+        while True:
+            start = time.monotonic()
+            item = pending.result()
+            waited = time.monotonic() - start
+            if item is _END:
+                return
+            pending = helper.submit(next, source, _END)
+            yield item, waited
+            del item
+
+
+_END = object()
 
 
 def refresh_plan(plan: Plan, fd: int, changed: Iterable[tuple[int, Any]]) -> tuple[Plan, int]:
