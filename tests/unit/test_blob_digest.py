@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -79,3 +80,30 @@ def test_a_model_blob_of_other_bytes_is_refused_naming_the_file(tmp_path: Path, 
     entry = FileEntry(size=SIZE, digest=hashlib.sha256(b"other" + data[5:]).hexdigest(), scheme="sha256")
     with pytest.raises(ArtifactError, match="model-00001.safetensors does not match manifest.json"):
         written(tmp_path, data, entry)
+
+
+def test_a_blob_is_written_in_whole_chunks_at_chunk_offsets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A registry's body comes in small pieces (256 KiB); the file gets CHUNK-byte writes at CHUNK
+    offsets (the rest last), so that its page cache is in 2 MiB folios (blobio.CHUNK says why), and
+    a CHUNK of zeros stays a hole."""
+    size = 3 * blobio.CHUNK + 12345
+    data = bytearray(os.urandom(size))
+    data[blobio.CHUNK:2 * blobio.CHUNK] = bytes(blobio.CHUNK)
+    data = bytes(data)
+    writes: list[tuple[int, int]] = []
+    real = os.write
+
+    def spy(fd: int, buffer: Any) -> int:
+        writes.append((os.lseek(fd, 0, os.SEEK_CUR), len(buffer)))
+        return real(fd, buffer)
+
+    monkeypatch.setattr(blobio.os, "write", spy)
+    layer = Layer("model-00001.safetensors", "raw", "sha256:" + hashlib.sha256(data).hexdigest(), size)
+    entry = FileEntry(size=size, digest=hashlib.sha256(data).hexdigest(), scheme="sha256")
+    fd = os.open(tmp_path / "out", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        write_blob([data[i:i + (256 << 10)] for i in range(0, size, 256 << 10)], layer, entry, fd, "REF")
+    finally:
+        os.close(fd)
+    assert (tmp_path / "out").read_bytes() == data
+    assert writes == [(0, blobio.CHUNK), (2 * blobio.CHUNK, blobio.CHUNK), (3 * blobio.CHUNK, 12345)]

@@ -24,6 +24,10 @@ from vsnap.protocol.errors import ArtifactError, HostNotReady
 
 from .oci import Layer
 
+# A blob's file is written CHUNK bytes at a time at offsets that are multiples of it (a registry's
+# body comes in 256 KiB pieces): the page cache then holds the file in 2 MiB folios, which a restore
+# that reads the model's files by reference page-locks 1.8x faster than what small writes leave
+# (docs/benchmarks/folio-probe-h100-2026-12-05.md)
 CHUNK = 4 << 20
 ZSTD_LEVEL = 3  # zstd's default: docs/benchmarks/NOTES.md has the ratio and speed of levels 1, 3 and 6 on CRIU pages
 _ZEROS = bytes(CHUNK)
@@ -178,8 +182,10 @@ def write_blob(chunks: Iterable[bytes], layer: Layer, entry: FileEntry, fd: int,
     blob_is_file = layer.encoding == "raw" and entry.scheme == "sha256"
     digest: Any = FileDigest() if entry.scheme != "sha256" else None if blob_is_file else hashlib.sha256()
     size = 0
+    buffer = memoryview(bytearray(CHUNK))
     try:
-        while data := reader.read(CHUNK):
+        while got := _fill(reader, buffer):
+            data = buffer[:got]
             if size + len(data) > entry.size:
                 raise mismatch(f"holds more than the {entry.size} bytes manifest.json records")
             size += len(data)
@@ -209,6 +215,14 @@ def write_blob(chunks: Iterable[bytes], layer: Layer, entry: FileEntry, fd: int,
     found = source.sha.hexdigest() if digest is None else digest.hexdigest()
     if found != entry.digest:
         raise mismatch(f"does not match manifest.json (expected {entry.digest[:16]}…, found {found[:16]}…)")
+
+
+def _fill(reader: Any, buffer: memoryview) -> int:
+    """Read into ``buffer`` until it is full or the stream ends; the bytes read."""
+    got = 0
+    while got < len(buffer) and (n := reader.readinto(buffer[got:])):
+        got += n
+    return got
 
 
 def _require_blob(source: _CountingSource, layer: Layer, mismatch: Callable[[str], ArtifactError]) -> None:
