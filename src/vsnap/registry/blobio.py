@@ -191,8 +191,10 @@ def write_blob(chunks: Iterable[bytes], layer: Layer, entry: FileEntry, fd: int,
             size += len(data)
             if digest is not None:
                 digest.update(data)
-            if len(data) == CHUNK and data == _ZEROS:
-                os.lseek(fd, len(data), os.SEEK_CUR)  # a hole: sparse files stay sparse
+            # a CHUNK of zeros is a hole (sparse files stay sparse); startswith compares with memcmp,
+            # where memoryview == bytes goes element by element, 50x slower
+            if len(data) == CHUNK and not data[0] and not data[-1] and _ZEROS.startswith(data):
+                os.lseek(fd, len(data), os.SEEK_CUR)
             else:
                 view = memoryview(data)
                 while view:

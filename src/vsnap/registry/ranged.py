@@ -61,7 +61,8 @@ MAX_PARTS = 64
 RANGED_MIN_BYTES = 2 * PIECE + 1  # more than two pieces: smaller files go in one stream
 READ_BYTES = 1 << 20          # one part's reads (transport.body's pieces)
 # A part's bytes go to the file in pwrites of WRITE_BYTES at offsets that are multiples of it (parts
-# start at 64 MiB pieces). At 2 MiB or more the page cache holds the pulled file in 2 MiB folios, which
+# start at 64 MiB pieces, and a registry's body comes in whole 1 MiB reads; odd-sized pieces keep
+# the writes whole but not aligned). At 2 MiB or more the page cache holds the pulled file in 2 MiB folios, which
 # the kernel maps with one page-table entry each, and page-locking them at restore (weights by
 # reference lock the model's files) has no per-4-KiB-page work left. On the H100 machine (8 GiB, written
 # both ways, then dma_into: docs/benchmarks/folio-probe-h100-2026-12-05.md) the file written in 1 MiB
@@ -225,7 +226,8 @@ def _write_part(client: RegistryClient, response: Any, layer: Layer, fd: int, pa
 def _write_at(fd: int, chunks: list[bytes], at: int) -> None:
     """``chunks``, one after the other, into the preallocated file at ``at``: one pwritev, no copy,
     so the kernel sees one write of their length; nothing where they are all zeros (the file reads
-    zeros there)."""
+    zeros there). Zeros beside data in one write are written: on a filesystem without fallocate
+    they take blocks that 1 MiB writes would have left as holes."""
     if all(_zeros(chunk) for chunk in chunks):
         return
     views, end = [memoryview(chunk) for chunk in chunks], at + sum(len(chunk) for chunk in chunks)

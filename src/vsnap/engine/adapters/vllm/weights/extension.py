@@ -15,7 +15,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 from vsnap.engine.adapters.vllm.tp import TensorParallelExtension
 from vsnap.engine.heap import freeze_heap, release_heap
@@ -76,7 +76,7 @@ class WeightsFileExtension(TensorParallelExtension):
             else:
                 from .references import write_by_reference
 
-                plan = write_by_reference(f, (t.cpu().numpy() for _, t in named), model_dir,
+                plan = write_by_reference(f, _host_copies(named), model_dir,
                                           parts=self._vsnap_tensor_parallel_size(), spent=spent)
             synced = time.monotonic()
             f.flush()
@@ -324,6 +324,20 @@ def set_stack_limit(value: int) -> dict[str, float]:
     if int(result) != 0:
         raise RuntimeError(f"cuCtxSetLimit(CU_LIMIT_STACK_SIZE, {value}): {result}")
     return {"stack_restore_s": time.monotonic() - start}
+
+
+def _host_copies(named: list[tuple[str, Any]]) -> Iterator[Any]:
+    """Each tensor's bytes on the host, in order. write_by_reference takes them on a helper thread,
+    which first makes the tensors' GPU its current device: a new thread's is GPU 0, and on another
+    rank's GPU a device guard switching back to it could make a context on GPU 0, which the
+    checkpoint would then hold."""
+    import torch
+
+    device = named[0][1].device if named else None
+    if device is not None and device.type == "cuda":
+        torch.cuda.set_device(device)
+    for _, tensor in named:
+        yield tensor.cpu().numpy()
 
 
 def _device_used() -> int:
