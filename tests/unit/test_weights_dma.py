@@ -606,3 +606,69 @@ def test_freeze_heap_leaves_a_full_collection_nothing_to_scan() -> None:
             "print(n >= 100000, gc.get_freeze_count() == n, len(gc.get_objects()) < 1000)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert result.stdout.split() == ["True", "True", "True"], result.stdout + result.stderr
+
+
+def _meminfo(tmp_path: Path, available_gib: int, swap_kib: int = 0) -> Path:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(f"MemTotal:       {128 << 20} kB\nMemAvailable:   {available_gib << 20} kB\n"
+                       f"SwapTotal:      {swap_kib} kB\n")
+    return meminfo
+
+
+def test_pieces_held_keeps_every_piece_locked_when_the_reclaimable_ones_fit(tmp_path: Path) -> None:
+    """Like session 18's 70B: ~146 pieces of 512 MiB over 4 threads, 56 GiB available. From a tmpfs
+    (2 reclaimable pieces: the image's rank file) every piece stays locked while the copies run;
+    from a disk's page cache (all reclaimable: 73 GiB > 28) DMA_HELD lowered to what memory allows,
+    as before; a caller's own cap is kept (lowered by memory)."""
+    meminfo, piece = _meminfo(tmp_path, 56), 512 << 20
+    assert copiers.pieces_held(None, 4, piece, pieces=146, reclaimable=2, meminfo=meminfo) == 146
+    assert copiers.pieces_held(None, 4, piece, pieces=146, reclaimable=146, meminfo=meminfo) == 14
+    assert copiers.pieces_held(None, 4, piece, pieces=32, reclaimable=32, meminfo=meminfo) == 32  # an 8B: none unlocked, as before
+    assert copiers.pieces_held(None, 4, piece, pieces=1, reclaimable=1, meminfo=meminfo) == 2  # never fewer than 2
+    assert copiers.pieces_held(4, 4, piece, pieces=146, reclaimable=0, meminfo=meminfo) == 4
+    assert copiers.pieces_held(None, 4, piece, pieces=146, reclaimable=2, meminfo=tmp_path / "absent") == 2
+
+
+def test_a_tmpfs_file_is_in_memory_only_without_swap(tmp_path: Path) -> None:
+    def magic(path: Path) -> int | None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            return copiers._filesystem_magic(fd)
+        finally:
+            os.close(fd)
+
+    shm = Path("/dev/shm")
+    if magic(shm) != 0x01021994:
+        pytest.skip("/dev/shm is not a tmpfs here")
+    on_disk = tmp_path / "f"
+    on_disk.write_bytes(b"x")
+    for path, in_memory in ((shm, True), (on_disk, magic(on_disk) in copiers.IN_MEMORY_FILESYSTEMS)):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            assert copiers.in_memory_file(fd, _meminfo(tmp_path, 56)) is in_memory
+            assert copiers.in_memory_file(fd, _meminfo(tmp_path, 56, swap_kib=8 << 20)) is False  # swap: reclaimable
+            assert copiers.in_memory_file(fd, tmp_path / "absent") is False
+        finally:
+            os.close(fd)
+
+
+def test_a_file_in_memory_is_copied_with_no_piece_unlocked_before_the_end(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The unlocking that took the driver's lock from the copies: none while they run when the
+    host's memory takes every piece (here in_memory_file). One thread, more pieces than DMA_HELD:
+    before session 18 it unlocked its oldest from the 17th on."""
+    pieces = 2 * copiers.DMA_HELD + 3
+    data = os.urandom(pieces * PAGE - 5)
+    path = tmp_path / "rank0.bin"
+    path.write_bytes(data)
+    driver = FakeDriver()
+    _install(monkeypatch, driver)
+    monkeypatch.setattr(copiers, "in_memory_file", lambda fd, meminfo=None: True)
+    target = FakeTarget(len(data))
+    result = dma_into(path, _layout([len(data)]), [target], threads=1, piece=PAGE)
+    assert result["weights_registered_pieces"] == pieces and target.bytes() == data
+    assert driver.peak == pieces and driver.locked == {}  # every piece locked at once, all unlocked at the end
+    capped = FakeDriver()
+    _install(monkeypatch, capped)
+    dma_into(path, _layout([len(data)]), [FakeTarget(len(data))], threads=1, piece=PAGE, held=16)
+    assert capped.peak == 16 and capped.locked == {}  # a caller's own cap still holds

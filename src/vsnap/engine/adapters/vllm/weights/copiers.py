@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import itertools
 import mmap
 import os
@@ -26,7 +27,7 @@ CHUNK = 32 << 20  # bytes read and copied at a time by one thread
 THREADS = 8  # readers (H200 host, 8B: 8 read 17.6 GB/s from the page cache, 12 read 15.6 GB/s); each owns two pinned buffers (one read into while the other is copied)
 DMA_THREADS = 4  # dma_into's threads (H200 host, 17.2 GB: 4 and 8 both ~26 GB/s, bound by page-locking)
 DMA_PIECE = 512 << 20  # bytes page-locked and copied at a time by one of them
-DMA_HELD = 16  # pieces each thread keeps locked before it unlocks its oldest (4 x 16 x 512 MiB: 32 GiB at most)
+DMA_HELD = 16  # pieces each thread keeps locked before it unlocks its oldest, where the host's memory cannot take them all (pieces_held)
 UNLOCK_PAUSE_S = 0.02  # between two pieces unlocked once the server serves: its launches take the driver's lock between them
 DMA_ENV = "VSNAP_WEIGHTS_DMA"  # "0" in the capture's environment: the buffered path only (default: dma_into first)
 
@@ -66,15 +67,76 @@ def _read_into(fd: int, view: memoryview, offset: int) -> None:
         done += n
 
 
-def held_within_memory(held: int, threads: int, piece: int, meminfo: Path = Path("/proc/meminfo")) -> int:
-    """``held``, lowered (to 2 at least) so that every thread's locked pieces together stay within
-    half of the host's MemAvailable: locked page-cache pages cannot be reclaimed until unlocked."""
+MEMINFO = Path("/proc/meminfo")
+# filesystems whose pages stay in memory whatever is locked, where the host has no swap
+IN_MEMORY_FILESYSTEMS = {0x01021994: "tmpfs", 0x858458F6: "ramfs", 0x958458F6: "hugetlbfs"}
+
+
+def _meminfo_bytes(field: str, meminfo: Path) -> int | None:
     try:
         fields = dict(line.split(":", 1) for line in meminfo.read_text().splitlines() if ":" in line)
-        available = int(fields["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
+        return int(fields[field].split()[0]) * 1024
+    except (OSError, KeyError, ValueError, IndexError):
+        return None
+
+
+def held_within_memory(held: int, threads: int, piece: int, meminfo: Path = MEMINFO) -> int:
+    """``held``, lowered (to 2 at least) so that every thread's locked pieces together stay within
+    half of the host's MemAvailable: locked page-cache pages cannot be reclaimed until unlocked."""
+    available = _meminfo_bytes("MemAvailable", meminfo)
+    if available is None:
         return 2  # unknown: the least
     return max(2, min(held, available // 2 // max(threads * piece, 1)))
+
+
+def pieces_held(held: int | None, threads: int, piece: int, *, pieces: int, reclaimable: int,
+                meminfo: Path = MEMINFO) -> int:
+    """How many pieces each of ``threads`` threads keeps locked while the copies run. A ``held``
+    the caller gives is a cap, lowered by held_within_memory. Without one (None): all of them when
+    the ``reclaimable`` ones among the ``pieces`` (those whose pages the kernel could otherwise
+    reclaim: not in_memory_file's) fit in half of MemAvailable at once, else DMA_HELD within
+    held_within_memory's bound. Unlocking a piece while the others are locked and copied takes
+    the driver's lock they need: a 70B-class model's ~145 pieces, 14 held per thread for want of
+    memory, loaded at 20.5 GB/s where an 8B's 32, none unlocked during its copies, load at 30 to 34
+    (NOTES.md, session 18; the cause as far as measured, not yet proven)."""
+    if held is not None:
+        return held_within_memory(held, threads, piece, meminfo)
+    available = _meminfo_bytes("MemAvailable", meminfo)
+    if available is not None and reclaimable * piece <= available // 2:
+        return max(2, pieces)  # as many as there are: the threads share them unevenly, none may unlock
+    return held_within_memory(DMA_HELD, threads, piece, meminfo)
+
+
+def in_memory_file(fd: int, meminfo: Path = MEMINFO) -> bool:
+    """Whether ``fd``'s pages stay in memory whatever is locked: a tmpfs, ramfs or hugetlbfs file
+    on a host without swap (SwapTotal 0). Page-locking them takes nothing the kernel could
+    reclaim from the rest of the host. False where either cannot be told."""
+    if _meminfo_bytes("SwapTotal", meminfo) != 0:
+        return False
+    return _filesystem_magic(fd) in IN_MEMORY_FILESYSTEMS
+
+
+def _filesystem_magic(fd: int) -> int | None:
+    """fstatfs(2)'s f_type of ``fd``'s filesystem (os has only statvfs, which has no type)."""
+    import ctypes
+    import struct
+
+    fstatfs = _fstatfs()
+    buffer = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on 64-bit Linux; f_type first
+    if fstatfs is None or fstatfs(fd, buffer) != 0:
+        return None
+    return int(struct.unpack_from("l", buffer.raw, 0)[0])
+
+
+@functools.cache
+def _fstatfs() -> Any | None:
+    """The C library's fstatfs(2); None where it has none."""
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None, use_errno=True).fstatfs
+    except (OSError, AttributeError):
+        return None
 
 
 class RegistrationRefused(Exception):
@@ -95,15 +157,15 @@ def _overlaps(starts: list[int], segments: list[Segment], lo: int, hi: int) -> l
 
 
 def dma_into(path: Path, segments: list[Segment], targets: list[Any], *, threads: int = DMA_THREADS,
-             piece: int = DMA_PIECE, held: int = DMA_HELD,
+             piece: int = DMA_PIECE, held: int | None = None,
              unlock_later: Callable[[LockedPages], None] | None = None) -> dict[str, float]:
     """Copy the file's bytes into CUDA ``targets`` straight from the page cache: the file mapped
     read-only, each piece page-locked in place (cuMemHostRegister) and copied by the GPU's copy
     engine, no host-side copy at all. Threads lock pieces while others' copies run. Each thread
     holds at most ``held`` pieces locked (it waits for its oldest piece's copies and unlocks it
-    before it locks another; fewer where the host's memory is short: held_within_memory), so at
-    most held x threads x piece bytes of the page cache are locked at once; the rest are
-    unlocked once every copy is done. The driver's locking and unlocking appear to share one
+    before it locks another). Without ``held``, pieces_held decides: every piece where the host's
+    memory allows it, fewer where it is short. So at most held x threads x piece bytes of the page
+    cache are locked at once; the rest are unlocked once every copy is done. The driver's locking and unlocking appear to share one
     lock (threads that only copied beside the lockings slowed them too), so unlocking between
     lockings slows them down. On the H200 host (scripts/weights-dma-bench.py, 17.2 GB from the
     page cache): 4 threads holding 2 pieces each 0.69 to 0.75 s, holding 16 each 0.58 s, the
@@ -120,7 +182,7 @@ def dma_into(path: Path, segments: list[Segment], targets: list[Any], *, threads
     its own way. A copy the GPU fails raises RuntimeError."""
     if piece <= 0 or piece % mmap.PAGESIZE:
         raise ValueError(f"piece must be a positive multiple of the page size ({mmap.PAGESIZE}), not {piece}")
-    if held < 2:
+    if held is not None and held < 2:
         raise ValueError(f"held must be at least 2 (one piece copied while the next is locked), not {held}")
     total = segments[-1].offset + segments[-1].nbytes if segments else 0
     if not total:
@@ -141,13 +203,15 @@ def dma_into(path: Path, segments: list[Segment], targets: list[Any], *, threads
             mapping = mmap.mmap(fd, total, prot=mmap.PROT_READ, flags=mmap.MAP_SHARED)
         except OSError as exc:
             raise RegistrationRefused(f"{path} cannot be mapped: {exc.strerror}") from None
+        in_memory = in_memory_file(fd)
     finally:
         os.close(fd)
     view = np.frombuffer(mapping, dtype=np.uint8)
     pieces = (total + piece - 1) // piece
     workers = min(threads, pieces)
     copier = _PieceCopier(cu, path, segments, starts, addresses, ordinal, base=int(view.ctypes.data), total=total,
-                          piece=piece, pieces=pieces, held=held_within_memory(held, workers, piece),
+                          piece=piece, pieces=pieces,
+                          held=pieces_held(held, workers, piece, pieces=pieces, reclaimable=0 if in_memory else pieces),
                           keep_locked=unlock_later is not None)
     start = time.monotonic()
     locked_pages = LockedPages(ordinal, mapping, view, copier.kept)

@@ -28,7 +28,6 @@ from typing import Any, Callable
 from .copiers import (
     CHUNK,
     DMA_ENV,
-    DMA_HELD,
     DMA_PIECE,
     DMA_THREADS,
     THREADS,
@@ -39,7 +38,8 @@ from .copiers import (
     _overlaps,
     _PieceCopier,  # its threads' work (locking, unlocking, the end of a thread) is shared; only a piece differs
     copy_through_buffers,
-    held_within_memory,
+    in_memory_file,
+    pieces_held,
 )
 from .layout import Segment
 from .references import IMAGE, Plan
@@ -136,7 +136,7 @@ def _check(plan: Plan, rank_path: Path, segments: list[Segment], targets: list[A
 
 
 def dma_plan_into(plan: Plan, rank_path: Path, segments: list[Segment], targets: list[Any], *,
-                  threads: int = DMA_THREADS, piece: int = DMA_PIECE, held: int = DMA_HELD,
+                  threads: int = DMA_THREADS, piece: int = DMA_PIECE, held: int | None = None,
                   unlock_later: Callable[[LockedPages], None] | None = None) -> dict[str, float]:
     """dma_into for a plan: each file the plan reads mapped read-only, its pieces page-locked in
     place and copied by the GPU. Raises RegistrationRefused where this path cannot run (the
@@ -144,7 +144,7 @@ def dma_plan_into(plan: Plan, rank_path: Path, segments: list[Segment], targets:
     for a file of another size than the plan's."""
     if piece <= 0 or piece % mmap.PAGESIZE:
         raise ValueError(f"piece must be a positive multiple of the page size ({mmap.PAGESIZE}), not {piece}")
-    if held < 2:
+    if held is not None and held < 2:
         raise ValueError(f"held must be at least 2 (one piece copied while the next is locked), not {held}")
     total = _check(plan, rank_path, segments, targets)
     if not total:
@@ -156,11 +156,14 @@ def dma_plan_into(plan: Plan, rank_path: Path, segments: list[Segment], targets:
         raise RegistrationRefused(f"no cuda-bindings ({exc})") from None
     pieces = plan_pieces(plan, segments, piece, mmap.PAGESIZE)
     mapped: dict[int, tuple[mmap.mmap, Any]] = {}  # source: (its mapping, a uint8 view of it)
+    in_memory: set[int] = set()  # sources whose pages stay in memory anyway (in_memory_file)
     try:
         for source in sorted({p.source for p in pieces}):
             fd = _open_source(plan, source, rank_path)
             try:
                 mapping = mmap.mmap(fd, os.fstat(fd).st_size, prot=mmap.PROT_READ, flags=mmap.MAP_SHARED)
+                if in_memory_file(fd):
+                    in_memory.add(source)
             except OSError as exc:
                 raise RegistrationRefused(f"{source_path(plan, source, rank_path)} cannot be mapped: "
                                           f"{exc.strerror}") from None
@@ -176,7 +179,9 @@ def dma_plan_into(plan: Plan, rank_path: Path, segments: list[Segment], targets:
     try:
         copier = _PlanPieceCopier(cu, pieces, bases, {s: source_path(plan, s, rank_path) for s in mapped},
                                   [t.data_ptr() for t in targets], [s.name for s in segments], ordinal,
-                                  held=held_within_memory(held, workers, piece), keep_locked=unlock_later is not None)
+                                  held=pieces_held(held, workers, piece, pieces=len(pieces),
+                                                   reclaimable=sum(p.source not in in_memory for p in pieces)),
+                                  keep_locked=unlock_later is not None)
     except BaseException:
         _unmap(mapped)
         raise
