@@ -115,7 +115,8 @@ def step_restore(spec: ModelSpec, state: Path, runs: int) -> dict[str, Any]:
             run: dict[str, Any] = {"seconds": seconds, "phases": cli_phases(doc), "instance": doc["instance"],
                                    "weights_source": doc.get("weights_source"),
                                    "oracle_max_abs_diff": recovery.get("oracle_max_abs_diff"),
-                                   "weights_gb_per_s": recovery.get("weights_gb_per_s")}
+                                   "weights_gb_per_s": recovery.get("weights_gb_per_s"),
+                                   "recovery": recovery}  # the engine's whole report: pieces, bytes, rates
             if not restores["runs"]:
                 run.update(under_load(spec, doc["url"]))
                 run["engine_notes"] = engine_notes(Path(doc["engine_log"]))
