@@ -62,13 +62,13 @@ RANGED_MIN_BYTES = 2 * PIECE + 1  # more than two pieces: smaller files go in on
 READ_BYTES = 1 << 20          # one part's reads (transport.body's pieces)
 # A part's bytes go to the file in pwrites of WRITE_BYTES at offsets that are multiples of it (parts
 # start at 64 MiB pieces, and a registry's body comes in whole 1 MiB reads; odd-sized pieces keep
-# the writes whole but not aligned). At 2 MiB or more the page cache holds the pulled file in 2 MiB folios, which
-# the kernel maps with one page-table entry each, and page-locking them at restore (weights by
-# reference lock the model's files) has no per-4-KiB-page work left. On the H100 machine (8 GiB, written
-# both ways, then dma_into: docs/benchmarks/folio-probe-h100-2026-12-05.md) the file written in 1 MiB
-# pwrites reached the GPU at 17.3 GB/s, the one written in 4 MiB pieces at 31.0 GB/s, and its writing
-# cost 3.1 s instead of 2.6 s: the pull pays once what every restore from the cached pages gains.
-# The reads stay 1 MiB: a cancelled pull is noticed between two reads.
+# the writes whole but not aligned). At 2 MiB or more the page cache holds the pulled file in 2 MiB
+# folios, which the kernel maps with one page-table entry each, and page-locking them at restore
+# (weights by reference lock the model's files) has no per-4-KiB-page work left. On the H100
+# machine (8 GiB written both ways, then dma_into: docs/benchmarks/folio-probe-h100-2026-12-05.md)
+# the file written in 1 MiB pwrites reached the GPU at 17.3 GB/s, the one written in 4 MiB pieces
+# at 31.0 GB/s, and its writing cost 3.1 s instead of 2.6 s: the pull pays once what every restore
+# from the cached pages gains. The reads stay 1 MiB: a cancelled pull is noticed between two reads.
 WRITE_BYTES = 4 << 20
 _MAX_IOV = 64  # chunks in one pwritev, far below IOV_MAX (1024) however small a registry's pieces
 _ZEROS = bytes(READ_BYTES)  # what a read of zeros looks like

@@ -165,7 +165,8 @@ def dma_into(path: Path, segments: list[Segment], targets: list[Any], *, threads
     holds at most ``held`` pieces locked (it waits for its oldest piece's copies and unlocks it
     before it locks another). Without ``held``, pieces_held decides: every piece where the host's
     memory allows it, fewer where it is short. So at most held x threads x piece bytes of the page
-    cache are locked at once; the rest are unlocked once every copy is done. The driver's locking and unlocking appear to share one
+    cache are locked at once; the rest are unlocked once every copy is done. The driver's locking
+    and unlocking appear to share one
     lock (threads that only copied beside the lockings slowed them too), so unlocking between
     lockings slows them down. On the H200 host (scripts/weights-dma-bench.py, 17.2 GB from the
     page cache): 4 threads holding 2 pieces each 0.69 to 0.75 s, holding 16 each 0.58 s, the
@@ -199,11 +200,11 @@ def dma_into(path: Path, segments: list[Segment], targets: list[Any], *, threads
     try:
         if os.fstat(fd).st_size != total:
             raise ValueError(f"{path} has {os.fstat(fd).st_size} bytes; the parameters need {total}")
+        in_memory = in_memory_file(fd)
         try:
             mapping = mmap.mmap(fd, total, prot=mmap.PROT_READ, flags=mmap.MAP_SHARED)
         except OSError as exc:
             raise RegistrationRefused(f"{path} cannot be mapped: {exc.strerror}") from None
-        in_memory = in_memory_file(fd)
     finally:
         os.close(fd)
     view = np.frombuffer(mapping, dtype=np.uint8)

@@ -161,9 +161,9 @@ def dma_plan_into(plan: Plan, rank_path: Path, segments: list[Segment], targets:
         for source in sorted({p.source for p in pieces}):
             fd = _open_source(plan, source, rank_path)
             try:
-                mapping = mmap.mmap(fd, os.fstat(fd).st_size, prot=mmap.PROT_READ, flags=mmap.MAP_SHARED)
                 if in_memory_file(fd):
                     in_memory.add(source)
+                mapping = mmap.mmap(fd, os.fstat(fd).st_size, prot=mmap.PROT_READ, flags=mmap.MAP_SHARED)
             except OSError as exc:
                 raise RegistrationRefused(f"{source_path(plan, source, rank_path)} cannot be mapped: "
                                           f"{exc.strerror}") from None
