@@ -6,14 +6,16 @@
 # to the first completion, against vLLM's cold start, with outputs and throughput compared.
 # The whole does not fit in one 600 s call: a few steps per call, back to back (the machine keeps
 # /tmp and the tmpfs ~30 s after a call), each call carrying .carry/vllm-parts-00 and .carry/criu.
-# Two calls: STEP="model cold" (~340 s), then STEP="capture restore report" (~370 s). Short of device
-# time: STEP="model capture" (~450 s: the capture's boot compiles), then STEP="restore report"
-# (~100 s): the record then says the cold start was not measured. One step:
+# Two calls: STEP="model cold" (~340 s: a fully cold start), then STEP="capture restore standby
+# report" (~400 s). Session 18 (H100, GPU_UTIL=0.96) ran STEP="model capture" (446 s), then
+# STEP="restore report cold report" (161 s): shorter, but its cold start found the compile cache the
+# capture had filled (the record says so). One step:
 #
 #   STEP=model   bash scripts/gpu-70b.sh   # mount the tmpfs, write the model (~60 to 90 s)
 #   STEP=cold    bash scripts/gpu-70b.sh   # vLLM's cold start, fully cold (~250 s), outputs, throughput
 #   STEP=capture bash scripts/gpu-70b.sh   # VSNAP_WEIGHTS_BY_REFERENCE=1 capture, compile cache warm (~200 to 300 s)
 #   STEP=restore bash scripts/gpu-70b.sh   # 3 restores to the first completion, outputs, throughput
+#   STEP=standby bash scripts/gpu-70b.sh   # 3 standbys (time, host memory), each activated to the first completion
 #   STEP=report  bash scripts/gpu-70b.sh   # the record (staged-bench-70b-fp8c-DATE.{json,md}) into $OUT
 #   STEP=clean   bash scripts/gpu-70b.sh   # stop, remove the state and the tmpfs
 #
@@ -26,7 +28,7 @@
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
-STEPS=${STEP:?STEP=model|cold|capture|restore|report|clean, or several in order: STEP="model cold"}
+STEPS=${STEP:?STEP=model|cold|capture|restore|standby|report|clean, or several in order: STEP="model cold"}
 RESULTS=${OUT:-/tmp/vsnap-gpu-out}
 OUT=$RESULTS/70b
 PY=${PY:-/opt/torch/.venv/bin/python3}
@@ -69,7 +71,7 @@ run_step() {
       "$PY" scripts/make_test_model.py "$MODEL" --shape 70b --fp8 channel --device auto || return 21
       du -sh "$MODEL"; free -g
       ;;
-    cold|restore|report)
+    cold|restore|standby|report)
       log "staged bench: $STEP"
       "$PY" scripts/staged_bench.py "$STEP" "$SPEC" --state "$STATE" --out "$OUT" > "$OUT/$STEP.log" 2>&1; rc=$?
       tail -n 25 "$OUT/$STEP.log" | cut -c1-600; free -g; nvidia-smi --query-gpu=memory.used --format=csv,noheader

@@ -6,6 +6,7 @@ it measured in a state directory, and `report` writes the record from them.
     python scripts/staged_bench.py cold SPEC --state DIR        # a cold start: first completion, outputs, throughput
     python scripts/staged_bench.py capture SPEC --state DIR     # capture_image() into DIR/image
     python scripts/staged_bench.py restore SPEC --state DIR [--runs 3]
+    python scripts/staged_bench.py standby SPEC --state DIR [--runs 3]   # standby, its memory, activation
     python scripts/staged_bench.py report SPEC --state DIR --out OUT
     python scripts/staged_bench.py clean SPEC --state DIR       # stop what is left, remove DIR
     python scripts/staged_bench.py all SPEC --state DIR --out OUT   # every step, in one process
@@ -40,7 +41,8 @@ from vsnap.image.manifest import ENGINE_LOG
 from vsnap.ops.bench.loadgen import run_throughput
 from vsnap.ops.bench.outputs import bench_prompts, compare_outputs, first_token, outputs_of
 from vsnap.ops.bench.record import cli_phases, engine_notes, median_phases
-from vsnap.ops.bench.run import cold_start, run_cli, stop_instance
+from vsnap.host.events import Timings
+from vsnap.ops.bench.run import cold_start, measure_standby, run_cli, stop_instance
 from vsnap.ops.capture import capture_image
 from vsnap.spec.schema import ModelSpec, load_spec
 
@@ -129,6 +131,22 @@ def step_restore(spec: ModelSpec, state: Path, runs: int) -> dict[str, Any]:
     return restores
 
 
+def step_standby(spec: ModelSpec, state: Path, runs: int) -> dict[str, Any]:
+    """`vsnap bench`'s standby measurement: ``runs`` times a standby (`vsnap restore --standby
+    --detach`, timed, its host memory), then `vsnap activate` to the first completion (timed)."""
+    started: list[str] = []
+    try:
+        standby = measure_standby(str(state / "image"), spec, runs, started, Timings(), {})
+    finally:
+        for instance in started:
+            stop_instance(instance)
+    save(state, "standby", standby)
+    print(f"standby: {standby['standby_restore_s_median']:.2f} s, host memory "
+          f"{statistics.median(standby['standby_host_memory_bytes']) / 1e9:.2f} GB; activation to first completion "
+          f"{standby['activation_to_first_token_s_median']:.2f} s", flush=True)
+    return standby
+
+
 def gpu_name() -> str | None:
     """The GPU the record was measured on (nvidia-smi's name), None without one."""
     try:
@@ -161,7 +179,9 @@ def step_report(spec: ModelSpec, state: Path, out: Path) -> str:
                                            "restored": first_restore["throughput"],
                                            "restored_over_cold": restored_tps / cold_tps if cold_tps else None},
         "engine_notes": {"capture": captured["engine_notes"], "restore": first_restore.get("engine_notes", [])},
+        "standby": load(state, "standby"),  # None without the standby step
     }
+    standby = record["standby"]
     out.mkdir(parents=True, exist_ok=True)
     stem = f"staged-bench-{spec.name}-{record['date']}"
     (out / f"{stem}.json").write_text(json.dumps(record, indent=1) + "\n")
@@ -180,10 +200,18 @@ def step_report(spec: ModelSpec, state: Path, out: Path) -> str:
                 f"| throughput (64 x 64 tokens, 32 in flight) | cold {cold_tps:.0f} tok/s, restored "
                 f"{restored_tps:.0f} tok/s ({record['throughput']['restored_over_cold'] or 0:.3f}) |"]
                if first_cold and outputs else
-               [f"| throughput after restore (64 x 64 tokens, 32 in flight) | {restored_tps:.0f} tok/s |"]), "",
+               [f"| throughput after restore (64 x 64 tokens, 32 in flight) | {restored_tps:.0f} tok/s |"]),
+             *([f"| standby (`vsnap restore --standby`), its host memory | median "
+                f"{standby['standby_restore_s_median']:.2f} s, "
+                f"{statistics.median(standby['standby_host_memory_bytes']) / 1e9:.2f} GB |",
+                f"| standby activation to first completion | median "
+                f"**{standby['activation_to_first_token_s_median']:.2f} s** "
+                f"({', '.join(f'{s:.2f}' for s in standby['activation_to_first_token_s'])}) |"] if standby else []), "",
              f"Oracle at each restore (3 prompts x 8 tokens, top-5), largest logprob difference: "
-             f"{', '.join('not recorded' if d is None else f'{d:.3g}' for d in record['oracle_max_abs_diff'])}; "
-             f"weights GB/s: {', '.join('?' if g is None else f'{g:.1f}' for g in record['weights_gb_per_s'])}.", "",
+             f"{', '.join('not recorded' if d is None else f'{d:.3g}' for d in record['oracle_max_abs_diff'])}"
+             + ("" if all(g is None for g in record["weights_gb_per_s"]) else
+                f"; weights GB/s: {', '.join('-' if g is None else f'{g:.1f}' for g in record['weights_gb_per_s'])}")
+             + ".", "",
              "Restore phases (median): " + ", ".join(f"{k} {v:.2f} s" for k, v in record["phases_median"].items()
                                                     if isinstance(v, (int, float))), ""]
     text = "\n".join(lines)
@@ -201,7 +229,7 @@ def step_clean(state: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("step", choices=["cold", "capture", "restore", "report", "clean", "all"])
+    parser.add_argument("step", choices=["cold", "capture", "restore", "standby", "report", "clean", "all"])
     parser.add_argument("spec", type=Path)
     parser.add_argument("--state", type=Path, required=True)
     parser.add_argument("--runs", type=int, default=3)
@@ -219,6 +247,8 @@ def main() -> None:
         print(json.dumps({k: v for k, v in step_capture(spec, state).items() if k != "engine_notes"}), flush=True)
     if args.step in ("restore", "all"):
         step_restore(spec, state, args.runs)
+    if args.step in ("standby", "all"):
+        step_standby(spec, state, args.runs)
     if args.step in ("report", "all"):
         print(step_report(spec, state, args.out))
 

@@ -242,7 +242,7 @@ def _measure(spec: ModelSpec, own: ModelSpec, dirs: BenchDirs, model_dir: Path, 
     notes = {"capture": engine_notes(captured.image_dir / ENGINE_LOG)}
     image = str(captured.image_dir)
     restores = _restores(image, spec, options, started, timings, outputs, notes)
-    standbys = _measure_standby(image, spec, options.runs, started, timings, notes) if options.standby else None
+    standbys = measure_standby(image, spec, options.runs, started, timings, notes) if options.standby else None
     image_files = [captured.image_dir / rel for rel in captured.manifest.files]
     vllm_on = vllm_device() if spec.engine == "vllm" else None
     floor = restore_floor(image_files, captured.image_bytes, model_dir, vllm_on)
@@ -304,7 +304,7 @@ def _restores(image: str, spec: ModelSpec, options: BenchOptions, started: list[
     return Restores(seconds, phases, sources, restored_outputs, instances)
 
 
-def _measure_standby(image: str, spec: ModelSpec, runs: int, started: list[str], timings: Timings,
+def measure_standby(image: str, spec: ModelSpec, runs: int, started: list[str], timings: Timings,
                      notes: dict[str, list[str]]) -> dict[str, Any]:
     """``runs`` times: `vsnap restore --standby --detach` (timed, and the standby's host memory),
     then `vsnap activate` to the first completion (timed), then stop."""
