@@ -100,11 +100,36 @@ def pieces_held(held: int | None, threads: int, piece: int, *, pieces: int, recl
     memory, loaded at 20.5 GB/s where an 8B's 32, none unlocked during its copies, load at 30 to 34
     (NOTES.md, session 18; the cause as far as measured, not yet proven)."""
     if held is not None:
-        return held_within_memory(held, threads, piece, meminfo)
-    available = _meminfo_bytes("MemAvailable", meminfo)
-    if available is not None and reclaimable * piece <= available // 2:
-        return max(2, pieces)  # as many as there are: the threads share them unevenly, none may unlock
-    return held_within_memory(DMA_HELD, threads, piece, meminfo)
+        count = held_within_memory(held, threads, piece, meminfo)
+    else:
+        available = _meminfo_bytes("MemAvailable", meminfo)
+        if available is not None and reclaimable * piece <= available // 2:
+            count = max(2, pieces)  # as many as there are: the threads share them unevenly, none may unlock
+        else:
+            count = held_within_memory(DMA_HELD, threads, piece, meminfo)
+    limit = memlock_limit()
+    if limit is not None:  # beyond it the registrations fail, and the copy starts again through buffers
+        count = max(2, min(count, limit // max(threads * piece, 1)))
+    return count
+
+
+CAP_IPC_LOCK = 14
+
+
+def memlock_limit(status: Path = Path("/proc/self/status")) -> int | None:
+    """The bytes this process may page-lock: RLIMIT_MEMLOCK, unless it is unlimited or the process
+    has CAP_IPC_LOCK (root on a host has it; a container may not); None where nothing limits it."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    try:
+        caps = next(int(line.split(":", 1)[1], 16) for line in status.read_text().splitlines()
+                    if line.startswith("CapEff:"))
+    except (OSError, StopIteration, ValueError):
+        return soft
+    return None if caps >> CAP_IPC_LOCK & 1 else soft
 
 
 def in_memory_file(fd: int, meminfo: Path = MEMINFO) -> bool:
