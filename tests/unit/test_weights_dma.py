@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import resource
 import sys
 import threading
 import types
@@ -681,8 +682,6 @@ def test_pieces_held_stay_within_the_memlock_limit_of_a_process_without_cap_ipc_
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """A container without CAP_IPC_LOCK and a finite RLIMIT_MEMLOCK: registrations past it fail and
     the restore copies everything again through buffers, so no more pieces are held than it allows."""
-    import resource
-
     meminfo, piece = _meminfo(tmp_path, 512), 512 << 20
     status = tmp_path / "status"
     status.write_text("Name:\tx\nCapEff:\t0000000000000000\n")
