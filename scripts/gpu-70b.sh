@@ -91,7 +91,7 @@ run_step() {
       "$PY" scripts/staged_bench.py clean "$SPEC" --state "$STATE"
       umount "$MODELS" 2>/dev/null; rm -f "$SPEC"
       ;;
-    *) echo "gpu-70b: STEP=model|cold|capture|restore|report|clean" >&2; return 2 ;;
+    *) echo "gpu-70b: STEP=model|cold|capture|restore|standby|report|clean" >&2; return 2 ;;
   esac
   return $rc
 }

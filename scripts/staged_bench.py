@@ -42,6 +42,7 @@ from vsnap.ops.bench.loadgen import run_throughput
 from vsnap.ops.bench.outputs import bench_prompts, compare_outputs, first_token, outputs_of
 from vsnap.ops.bench.record import cli_phases, engine_notes, median_phases
 from vsnap.host.events import Timings
+from vsnap.host.instances import running_instances
 from vsnap.ops.bench.run import cold_start, measure_standby, run_cli, stop_instance
 from vsnap.ops.capture import capture_image
 from vsnap.spec.schema import ModelSpec, load_spec
@@ -220,9 +221,12 @@ def step_report(spec: ModelSpec, state: Path, out: Path) -> str:
 
 
 def step_clean(state: Path) -> None:
-    for name in ("restore",):
-        for run in (load(state, name) or {"runs": []})["runs"]:
-            stop_instance(run["instance"])
+    """Stop every instance of the state's image (restores and standbys, those a step killed at the
+    call's limit left behind too: their records name the image), then remove the state."""
+    image = os.path.realpath(state / "image")
+    for record in running_instances():
+        if os.path.realpath(record.image) == image:
+            stop_instance(record.id)
     verified.forget(state / "image")
     shutil.rmtree(state, ignore_errors=True)
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import resource
 import sys
 import threading
 import types
@@ -616,16 +615,18 @@ def _meminfo(tmp_path: Path, available_gib: int, swap_kib: int = 0) -> Path:
     return meminfo
 
 
-def test_pieces_held_keeps_every_piece_locked_when_the_reclaimable_ones_fit(tmp_path: Path,
-                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pieces_held_keeps_every_piece_locked_when_the_reclaimable_ones_fit(tmp_path: Path) -> None:
     """Like session 18's 70B: ~146 pieces of 512 MiB over 4 threads, 56 GiB available. From a tmpfs
     (2 reclaimable pieces: the image's rank file) every piece stays locked while the copies run;
     from a disk's page cache (all reclaimable: 73 GiB > 28) DMA_HELD lowered to what memory allows,
-    as before; a caller's own cap is kept (lowered by memory)."""
-    monkeypatch.setattr(copiers, "memlock_limit", lambda: None)  # as for root on a host (CAP_IPC_LOCK)
+    as before, and never more than DMA_HELD per thread; a caller's own cap is kept (lowered by
+    memory)."""
     meminfo, piece = _meminfo(tmp_path, 56), 512 << 20
     assert copiers.pieces_held(None, 4, piece, pieces=146, reclaimable=2, meminfo=meminfo) == 146
     assert copiers.pieces_held(None, 4, piece, pieces=146, reclaimable=146, meminfo=meminfo) == 14
+    # a disk's 40 GiB within a big host's memory: still no more than DMA_HELD per thread, as before
+    big = _meminfo(tmp_path, 512)
+    assert copiers.pieces_held(None, 4, piece, pieces=80, reclaimable=80, meminfo=big) == copiers.DMA_HELD
     assert copiers.pieces_held(None, 4, piece, pieces=32, reclaimable=32, meminfo=meminfo) == 32  # an 8B: none unlocked, as before
     assert copiers.pieces_held(None, 4, piece, pieces=1, reclaimable=1, meminfo=meminfo) == 2  # never fewer than 2
     assert copiers.pieces_held(4, 4, piece, pieces=146, reclaimable=0, meminfo=meminfo) == 4
@@ -667,7 +668,6 @@ def test_a_file_in_memory_is_copied_with_no_piece_unlocked_before_the_end(
     driver = FakeDriver()
     _install(monkeypatch, driver)
     monkeypatch.setattr(copiers, "in_memory_file", lambda fd, meminfo=None: True)
-    monkeypatch.setattr(copiers, "memlock_limit", lambda: None)
     target = FakeTarget(len(data))
     result = dma_into(path, _layout([len(data)]), [target], threads=1, piece=PAGE)
     assert result["weights_registered_pieces"] == pieces and target.bytes() == data
@@ -676,24 +676,3 @@ def test_a_file_in_memory_is_copied_with_no_piece_unlocked_before_the_end(
     _install(monkeypatch, capped)
     dma_into(path, _layout([len(data)]), [FakeTarget(len(data))], threads=1, piece=PAGE, held=16)
     assert capped.peak == 16 and capped.locked == {}  # a caller's own cap still holds
-
-
-def test_pieces_held_stay_within_the_memlock_limit_of_a_process_without_cap_ipc_lock(
-        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """A container without CAP_IPC_LOCK and a finite RLIMIT_MEMLOCK: registrations past it fail and
-    the restore copies everything again through buffers, so no more pieces are held than it allows."""
-    meminfo, piece = _meminfo(tmp_path, 512), 512 << 20
-    status = tmp_path / "status"
-    status.write_text("Name:\tx\nCapEff:\t0000000000000000\n")
-    monkeypatch.setattr(resource, "getrlimit", lambda which: (16 << 30, 16 << 30))
-    assert copiers.memlock_limit(status) == 16 << 30
-    status.write_text(f"Name:\tx\nCapEff:\t{1 << copiers.CAP_IPC_LOCK:016x}\n")
-    assert copiers.memlock_limit(status) is None  # CAP_IPC_LOCK: no limit
-    monkeypatch.setattr(resource, "getrlimit", lambda which: (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
-    status.write_text("Name:\tx\nCapEff:\t0000000000000000\n")
-    assert copiers.memlock_limit(status) is None  # unlimited
-    monkeypatch.setattr(copiers, "memlock_limit", lambda: 16 << 30)
-    assert copiers.pieces_held(None, 4, piece, pieces=146, reclaimable=0, meminfo=meminfo) == 8  # 16 GiB / 4 / 512 MiB
-    assert copiers.pieces_held(16, 4, piece, pieces=146, reclaimable=0, meminfo=meminfo) == 8  # a caller's cap too
-    monkeypatch.setattr(copiers, "memlock_limit", lambda: None)
-    assert copiers.pieces_held(None, 4, piece, pieces=146, reclaimable=0, meminfo=meminfo) == 146

@@ -94,42 +94,22 @@ def pieces_held(held: int | None, threads: int, piece: int, *, pieces: int, recl
     """How many pieces each of ``threads`` threads keeps locked while the copies run. A ``held``
     the caller gives is a cap, lowered by held_within_memory. Without one (None): all of them when
     the ``reclaimable`` ones among the ``pieces`` (those whose pages the kernel could otherwise
-    reclaim: not in_memory_file's) fit in half of MemAvailable at once, else DMA_HELD within
-    held_within_memory's bound. Unlocking a piece while the others are locked and copied takes
-    the driver's lock they need: a 70B-class model's ~145 pieces, 14 held per thread for want of
-    memory, loaded at 20.5 GB/s where an 8B's 32, none unlocked during its copies, load at 30 to 34
-    (NOTES.md, session 18; the cause as far as measured, not yet proven)."""
+    reclaim: not in_memory_file's) fit in half of MemAvailable and in DMA_HELD per thread at once,
+    else DMA_HELD within held_within_memory's bound. RLIMIT_MEMLOCK does not apply: the driver
+    pins the pages without counting them against it.
+
+    Unlocking a piece while the others are locked and copied takes the driver's lock they need: a
+    70B-class model's ~145 pieces, 14 held per thread for want of memory, loaded at 20.5 GB/s where
+    an 8B's 32, none unlocked during its copies, load at 30 to 34 (NOTES.md, session 18; the cause
+    as far as measured, not yet proven)."""
     if held is not None:
-        count = held_within_memory(held, threads, piece, meminfo)
-    else:
-        available = _meminfo_bytes("MemAvailable", meminfo)
-        if available is not None and reclaimable * piece <= available // 2:
-            count = max(2, pieces)  # as many as there are: the threads share them unevenly, none may unlock
-        else:
-            count = held_within_memory(DMA_HELD, threads, piece, meminfo)
-    limit = memlock_limit()
-    if limit is not None:  # beyond it the registrations fail, and the copy starts again through buffers
-        count = max(2, min(count, limit // max(threads * piece, 1)))
-    return count
-
-
-CAP_IPC_LOCK = 14
-
-
-def memlock_limit(status: Path = Path("/proc/self/status")) -> int | None:
-    """The bytes this process may page-lock: RLIMIT_MEMLOCK, unless it is unlimited or the process
-    has CAP_IPC_LOCK (root on a host has it; a container may not); None where nothing limits it."""
-    import resource
-
-    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    if soft == resource.RLIM_INFINITY:
-        return None
-    try:
-        caps = next(int(line.split(":", 1)[1], 16) for line in status.read_text().splitlines()
-                    if line.startswith("CapEff:"))
-    except (OSError, StopIteration, ValueError):
-        return soft
-    return None if caps >> CAP_IPC_LOCK & 1 else soft
+        return held_within_memory(held, threads, piece, meminfo)
+    available = _meminfo_bytes("MemAvailable", meminfo)
+    # the page cache a restore may keep from being reclaimed: half of MemAvailable, and no more than
+    # before (DMA_HELD per thread; concurrent restores each count the same MemAvailable)
+    if available is not None and reclaimable * piece <= available // 2 and reclaimable <= threads * DMA_HELD:
+        return max(2, pieces)  # as many as there are: the threads share them unevenly, none may unlock
+    return held_within_memory(DMA_HELD, threads, piece, meminfo)
 
 
 def in_memory_file(fd: int, meminfo: Path = MEMINFO) -> bool:
@@ -150,7 +130,7 @@ def _filesystem_magic(fd: int) -> int | None:
     buffer = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on 64-bit Linux; f_type first
     if fstatfs is None or fstatfs(fd, buffer) != 0:
         return None
-    return int(struct.unpack_from("l", buffer.raw, 0)[0])
+    return int(struct.unpack_from("L", buffer.raw, 0)[0]) & 0xFFFFFFFF  # the magics are 32-bit; f_type a word
 
 
 @functools.cache
