@@ -76,3 +76,28 @@ def test_an_oracle_mismatch_names_the_adapter() -> None:
     other = Oracle(samples=[OracleSample(prompt="p", token_ids=[1, 2], logprobs=[{"1": -0.1}, {"2": -0.2}])])
     with pytest.raises(OracleMismatch, match="expected a sample through a1, got one through the model"):
         compare_oracles(want, other, 0.001)
+
+
+def _compressed(weights: dict, activations: object = None, **quant: object) -> SimpleNamespace:
+    group = {"targets": ["Linear"], "weights": weights, "input_activations": activations, "output_activations": None}
+    config = _config(quantization="compressed-tensors")
+    config.model_config.hf_config = SimpleNamespace(quantization_config={
+        "quant_method": "compressed-tensors", "config_groups": {"group_0": group}, "kv_cache_scheme": None, **quant})
+    return config
+
+
+def test_compressed_tensors_fp8_per_channel_is_tested_and_other_schemes_on_trust() -> None:
+    """The scheme the 70B-class record and 0.33's families ran (make_test_model.py --fp8 channel);
+    int4 weights, block or tensor scales, static activations, a KV-cache scheme stay on trust."""
+    fp8 = {"num_bits": 8, "type": "float", "strategy": "channel", "dynamic": False}
+    dynamic = {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}
+    tested = [("quantization compressed-tensors (FP8 weights per channel)", "tested")]
+    trusted = [("quantization compressed-tensors", "on trust")]
+    assert configuration_support(_compressed(fp8, dynamic)) == tested
+    assert configuration_support(_compressed(fp8)) == tested  # weight-only
+    assert configuration_support(_compressed({**fp8, "num_bits": 4, "type": "int"}, dynamic)) == trusted
+    assert configuration_support(_compressed({**fp8, "strategy": "block"}, dynamic)) == trusted
+    assert configuration_support(_compressed(fp8, {**dynamic, "dynamic": False})) == trusted
+    assert configuration_support(_compressed(fp8, dynamic, kv_cache_scheme={"num_bits": 8})) == trusted
+    no_config = _config(quantization="compressed-tensors")
+    assert configuration_support(no_config) == trusted  # no hf_config to read: on trust

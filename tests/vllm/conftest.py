@@ -44,6 +44,12 @@ def tiny_fp8(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_fp8_channel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama in compressed-tensors FP8, a scale per output channel (most published FP8 checkpoints)."""
+    return make_model(tmp_path_factory, "tiny", "--fp8", "channel")
+
+
+@pytest.fixture(scope="session")
 def lora_adapter(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A PEFT LoRA adapter (rank 8) for the tiny Llama."""
     return make_model(tmp_path_factory, "tiny", "--adapter", "--seed", "1")

@@ -164,16 +164,17 @@ NGRAM = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, 
 @pytest.mark.parametrize("family,serve,support", [
     ("moe", {}, [("mixture of experts (MixtralForCausalLM)", "tested")]),
     ("fp8", {}, [("quantization fp8", "tested")]),  # stored in FP8
+    ("fp8-channel", {}, [("quantization compressed-tensors (FP8 weights per channel)", "tested")]),
     ("dense", {"quantization": "fp8"}, [("quantization fp8", "tested")]),  # quantized at load
     ("dense", LORA, [("LoRA adapters", "tested")]),
     ("dense", NGRAM, [("speculative decoding (ngram)", "tested")]),
     ("dense", {}, []),
 ])
 def test_families_on_a_resolved_config(family: str, serve: dict, support: list, tiny_llama: Path, tiny_moe: Path,
-                                       tiny_fp8: Path) -> None:
+                                       tiny_fp8: Path, tiny_fp8_channel: Path) -> None:
     """FP8 (both formats), Mixtral-shaped MoE, LoRA and ngram speculation pass the rules with vLLM's own
     resolved config (the capture's rehearsal decides the rest), and are named as the GPU records tested."""
-    model = {"dense": tiny_llama, "moe": tiny_moe, "fp8": tiny_fp8}[family]
+    model = {"dense": tiny_llama, "moe": tiny_moe, "fp8": tiny_fp8, "fp8-channel": tiny_fp8_channel}[family]
     config = resolved(model, {"max_model_len": 512, **serve})
     assert vllm_config_rules.config_refusals(config, is_cuda=False) == []
     assert [r.argument for r in vllm_config_rules.config_refusals(config, is_cuda=True)] == ["enable_sleep_mode"]

@@ -129,8 +129,10 @@ def _tensor_parallel_config_refusals(config: Any, *, is_cuda: bool) -> list[Refu
 
 
 # What the GPU records in docs/benchmarks/ show captured and restored with a bit-identical oracle and
-# outputs equal to a cold start (vLLM 0.26.0, H200); see docs/model-yaml.md.
+# outputs equal to a cold start (vLLM 0.26.0, H200; and compressed-tensors FP8 per channel: the
+# 70B-class record, vLLM 0.26.0, H100, and the families on 0.33.0); see docs/model-yaml.md.
 TESTED_QUANTIZATION = ("fp8",)
+FP8_PER_CHANNEL = "compressed-tensors (FP8 weights per channel)"
 TESTED_SPECULATION = ("ngram",)
 # speculative methods that need no draft model (no weights of their own to bring back)
 MODEL_FREE_SPECULATION = ("ngram", "ngram_gpu", "suffix")
@@ -142,7 +144,9 @@ def configuration_support(config: Any) -> list[tuple[str, str]]:
     reload, oracle) must pass before an image is published)."""
     model = config.model_config
     found: list[tuple[str, str]] = []
-    if model.quantization is not None:
+    if model.quantization == "compressed-tensors" and fp8_per_channel(model):
+        found.append((f"quantization {FP8_PER_CHANNEL}", "tested"))
+    elif model.quantization is not None:
         found.append((f"quantization {model.quantization}",
                       "tested" if model.quantization in TESTED_QUANTIZATION else "on trust"))
     if model.is_moe:
@@ -161,6 +165,26 @@ def configuration_support(config: Any) -> list[tuple[str, str]]:
     if tp > 1:  # no GPU record yet (docs/design/tensor-parallel-2.md 8)
         found.append((f"tensor parallelism over {tp} GPUs (NCCL and CUDA graphs rebuilt at every restore)", "on trust"))
     return found
+
+
+def fp8_per_channel(model: Any) -> bool:
+    """Whether the model's compressed-tensors config is the scheme the GPU records ran: every group's
+    weights 8-bit floats with one scale per output channel, its input activations dynamic 8-bit
+    floats (or none), no output activations, no KV-cache scheme. Any other compressed-tensors
+    scheme (int4, blocks, static activations, ...) stays "on trust"."""
+    quant = getattr(getattr(model, "hf_config", None), "quantization_config", None)
+    groups = quant.get("config_groups") if isinstance(quant, dict) else None
+    if not isinstance(groups, dict) or not groups or quant.get("kv_cache_scheme") is not None:
+        return False
+
+    def fp8(scheme: Any, **more: Any) -> bool:
+        return (isinstance(scheme, dict) and scheme.get("num_bits") == 8 and scheme.get("type") == "float"
+                and all(scheme.get(k) == v for k, v in more.items()))
+
+    return all(isinstance(group, dict) and fp8(group.get("weights"), strategy="channel")
+               and (group.get("input_activations") is None or fp8(group.get("input_activations"), dynamic=True))
+               and group.get("output_activations") is None
+               for group in groups.values())
 
 
 def cpu_head_sizes() -> list[int] | None:
