@@ -46,7 +46,7 @@ def tiny_fp8(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_fp8_channel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Llama in compressed-tensors FP8, a scale per output channel (most published FP8 checkpoints)."""
-    return make_model(tmp_path_factory, "tiny", "--fp8", "channel")
+    return make_model(tmp_path_factory, "tiny", "--fp8", "channel", "--device", "cpu")
 
 
 @pytest.fixture(scope="session")

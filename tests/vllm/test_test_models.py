@@ -8,14 +8,7 @@ import importlib.util
 import json
 from pathlib import Path
 
-import pytest
-
-from tests.vllm.conftest import SCRIPT, make_model
-
-
-@pytest.fixture(scope="module")
-def tiny_fp8_channel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_model(tmp_path_factory, "tiny", "--fp8", "channel", "--device", "cpu")
+from tests.vllm.conftest import SCRIPT
 
 
 def _script():
