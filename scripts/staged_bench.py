@@ -30,19 +30,19 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from vsnap.host import verified
+from vsnap.host.events import Timings
+from vsnap.host.facts import host_facts
+from vsnap.host.instances import running_instances
 from vsnap.image.manifest import ENGINE_LOG
 from vsnap.ops.bench.loadgen import run_throughput
 from vsnap.ops.bench.outputs import bench_prompts, compare_outputs, first_token, outputs_of
 from vsnap.ops.bench.record import cli_phases, engine_notes, median_phases
-from vsnap.host.events import Timings
-from vsnap.host.instances import running_instances
 from vsnap.ops.bench.run import cold_start, measure_standby, run_cli, stop_instance
 from vsnap.ops.capture import capture_image
 from vsnap.spec.schema import ModelSpec, load_spec
@@ -114,12 +114,9 @@ def step_restore(spec: ModelSpec, state: Path, runs: int) -> dict[str, Any]:
         try:
             first_token(doc["url"], spec.served_model_name)
             seconds = time.monotonic() - start
-            recovery = doc.get("recovery") or {}
             run: dict[str, Any] = {"seconds": seconds, "phases": cli_phases(doc), "instance": doc["instance"],
                                    "weights_source": doc.get("weights_source"),
-                                   "oracle_max_abs_diff": recovery.get("oracle_max_abs_diff"),
-                                   "weights_gb_per_s": recovery.get("weights_gb_per_s"),
-                                   "recovery": recovery}  # the engine's whole report: pieces, bytes, rates
+                                   "recovery": doc.get("recovery") or {}}  # the engine's report: oracle, pieces, rates
             if not restores["runs"]:
                 run.update(under_load(spec, doc["url"]))
                 run["engine_notes"] = engine_notes(Path(doc["engine_log"]))
@@ -148,14 +145,11 @@ def step_standby(spec: ModelSpec, state: Path, runs: int) -> dict[str, Any]:
     return standby
 
 
-def gpu_name() -> str | None:
-    """The GPU the record was measured on (nvidia-smi's name), None without one."""
-    try:
-        done = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                              text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return done.stdout.strip().splitlines()[0] if done.returncode == 0 and done.stdout.strip() else None
+def gpu_name(spec: ModelSpec) -> str | None:
+    """The GPU the record was measured on, as `vsnap bench`'s record names it (host_facts); None
+    without one."""
+    gpus = host_facts(spec.engine).gpus
+    return str(gpus[0]["name"]) if gpus else None
 
 
 def step_report(spec: ModelSpec, state: Path, out: Path) -> str:
@@ -170,12 +164,12 @@ def step_report(spec: ModelSpec, state: Path, out: Path) -> str:
     restored_tps = first_restore["throughput"]["tokens_per_s"]
     record = {
         "name": spec.name, "date": dt.date.today().isoformat(), "engine": spec.engine, "model": spec.model,
-        "gpu": gpu_name(), "serve": dict(spec.serve), "cold_s": [r["seconds"] for r in cold["runs"]],
+        "gpu": gpu_name(spec), "serve": dict(spec.serve), "cold_s": [r["seconds"] for r in cold["runs"]],
         "cold_fully_cold": [r["fully_cold"] for r in cold["runs"]], "capture": captured,
         "restore_s": seconds, "restore_median_s": statistics.median(seconds),
         "phases_median": median_phases([r["phases"] for r in restored["runs"]]),
-        "oracle_max_abs_diff": [r.get("oracle_max_abs_diff") for r in restored["runs"]],
-        "weights_gb_per_s": [r.get("weights_gb_per_s") for r in restored["runs"]],
+        "oracle_max_abs_diff": [r.get("recovery", {}).get("oracle_max_abs_diff") for r in restored["runs"]],
+        "weights_gb_per_s": [r.get("recovery", {}).get("weights_gb_per_s") for r in restored["runs"]],
         "outputs": outputs, "throughput": {"cold": first_cold["throughput"] if first_cold else None,
                                            "restored": first_restore["throughput"],
                                            "restored_over_cold": restored_tps / cold_tps if cold_tps else None},

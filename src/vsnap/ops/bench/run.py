@@ -305,7 +305,7 @@ def _restores(image: str, spec: ModelSpec, options: BenchOptions, started: list[
 
 
 def measure_standby(image: str, spec: ModelSpec, runs: int, started: list[str], timings: Timings,
-                     notes: dict[str, list[str]]) -> dict[str, Any]:
+                    notes: dict[str, list[str]]) -> dict[str, Any]:
     """``runs`` times: `vsnap restore --standby --detach` (timed, and the standby's host memory),
     then `vsnap activate` to the first completion (timed), then stop."""
     restore_s: list[float] = []
